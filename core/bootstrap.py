@@ -1,0 +1,145 @@
+"""``initialize()``: load plugins, parse the config, agree across ranks, build the engine.
+
+The order is fixed and short, in the style of torchtitan's train loop set-up: each step is a
+hook call, and every error a user can cause surfaces here, as a :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from microspeed import comm
+from microspeed.config import Config, load_raw, merge_schema, parse, resolve_batch_triad
+from microspeed.engine import Engine
+from microspeed.errors import ConfigError, PluginError
+from microspeed.plugins import PluginManager
+
+
+def initialize(
+    args: Any = None,
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable | None = None,
+    config: Any = None,
+    config_params: Any = None,
+    plugins: Iterable[tuple[str, Any]] = (),
+) -> tuple[Engine, Any, Any, Any]:
+    """Build a training engine, as ``deepspeed.initialize`` does.
+
+    Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``. ``config`` is a dict or
+    a path to a JSON file (or ``args.deepspeed_config``); ``config_params`` is DeepSpeed's older
+    name for it. ``optimizer`` and ``lr_scheduler`` may be objects or callables
+    (params -> optimizer, optimizer -> scheduler). ``plugins`` registers extra
+    ``(name, plugin)`` pairs for this engine only (tests, notebooks).
+    """
+    if model is None:
+        raise ConfigError("initialize(model=...): a torch.nn.Module is required.")
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"initialize(model=...): expected a torch.nn.Module, got {type(model).__name__}.")
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize(): give the ds_config as config= or config_params=, not both.")
+    raw = load_raw(config if config is not None else config_params, args)
+    comm.init_distributed(dist_init_required=dist_init_required)
+
+    pm = PluginManager()
+    pm.load_all(disabled=_disabled_plugins(raw), extra=plugins)
+    cfg = parse(raw, merge_schema(pm.hook.microspeed_config_sections()))
+    _check_ranks_agree(pm, cfg)
+
+    world_size = comm.get_world_size()
+    topology = pm.hook.microspeed_make_topology(config=cfg, world_size=world_size, mpu=mpu)
+    resolve_batch_triad(cfg, topology.data_parallel_size)
+    pm.hook.microspeed_configure(config=cfg, world_size=world_size)
+    _check_conflicts(pm, cfg)
+
+    engine = Engine(pm, cfg, topology, model)
+    pm.hook.microspeed_setup(engine=engine)
+    engine.module = pm.call_chain("microspeed_transform_model", "model", model, engine=engine)
+    pm.hook.microspeed_after_model_ready(engine=engine, model=engine.module)
+
+    params = list(model_parameters) if model_parameters is not None else [
+        p for p in engine.module.parameters() if p.requires_grad
+    ]
+    engine.optimizer = _build_optimizer(pm, engine, cfg, optimizer, params)
+    if engine.optimizer is not None:
+        engine.optimizer = pm.call_chain("microspeed_wrap_optimizer", "optimizer", engine.optimizer, engine=engine)
+    engine.lr_scheduler = _build_scheduler(pm, engine, cfg, lr_scheduler)
+    if training_data is not None:
+        engine.training_dataloader = pm.hook.microspeed_make_dataloader(
+            engine=engine, dataset=training_data, collate_fn=collate_fn
+        )
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _disabled_plugins(raw: dict[str, Any]) -> list[str]:
+    section = raw.get("plugins", {})
+    disabled = section.get("disable", []) if isinstance(section, dict) else []
+    if not isinstance(disabled, list) or not all(isinstance(n, str) for n in disabled):
+        raise ConfigError(f"plugins.disable: expected a list of plugin names, got {disabled!r}.")
+    return disabled
+
+
+def _check_ranks_agree(pm: PluginManager, cfg: Config) -> None:
+    mine = {"plugins": pm.signature(), "config": cfg.digest()}
+    everyone = comm.all_gather_object(mine)
+    problems = []
+    for rank, theirs in enumerate(everyone):
+        if theirs["plugins"] != everyone[0]["plugins"]:
+            a, b = set(everyone[0]["plugins"]), set(theirs["plugins"])
+            problems.append(f"rank {rank} loaded different plugins than rank 0: only on rank 0: "
+                            f"{sorted(a - b)}, only on rank {rank}: {sorted(b - a)}")
+        if theirs["config"] != everyone[0]["config"]:
+            problems.append(f"rank {rank} has a different ds_config than rank 0 "
+                            f"(digest {theirs['config']} vs {everyone[0]['config']})")
+    if problems:
+        raise PluginError("ranks disagree at initialize(): " + "; ".join(problems)
+                          + ". Install the same plugins and pass the same config on every rank.")
+
+
+def _check_conflicts(pm: PluginManager, cfg: Config) -> None:
+    for impl in pm.impls_in_call_order("microspeed_conflicts"):
+        for key, reason in impl.function(config=cfg) or []:
+            if cfg.is_set(key):
+                raise ConfigError(f"{key}: cannot be combined with the plugin {impl.plugin_name!r}: {reason}")
+
+
+def _build_optimizer(pm: PluginManager, engine: Engine, cfg: Config, client: Any, params: list[Any]) -> Any:
+    if client is not None and cfg.is_set("optimizer"):
+        raise ConfigError("optimizer: given both in the config's 'optimizer' section and as "
+                          "initialize(optimizer=...); keep one of them.")
+    if client is None:
+        if not cfg.is_set("optimizer"):
+            return None
+        return pm.hook.microspeed_make_optimizer(engine=engine, params=params, config=cfg)
+    if isinstance(client, torch.optim.Optimizer):
+        return client
+    if callable(client):
+        return client(params)
+    raise ConfigError(f"initialize(optimizer=...): expected a torch.optim.Optimizer or a callable "
+                      f"params -> optimizer, got {type(client).__name__}.")
+
+
+def _build_scheduler(pm: PluginManager, engine: Engine, cfg: Config, client: Any) -> Any:
+    if client is not None and cfg.is_set("scheduler"):
+        raise ConfigError("scheduler: given both in the config's 'scheduler' section and as "
+                          "initialize(lr_scheduler=...); keep one of them.")
+    if client is None:
+        if not cfg.is_set("scheduler"):
+            return None
+        if engine.optimizer is None:
+            raise ConfigError("scheduler: a scheduler needs an optimizer; add an 'optimizer' section.")
+        return pm.hook.microspeed_make_scheduler(engine=engine, optimizer=engine.optimizer, config=cfg)
+    if hasattr(client, "step") and not isinstance(client, type):
+        return client
+    if callable(client):
+        return client(engine.optimizer)
+    raise ConfigError(f"initialize(lr_scheduler=...): expected a scheduler or a callable optimizer -> "
+                      f"scheduler, got {type(client).__name__}.")

@@ -1,0 +1,111 @@
+"""The simplified data loader: ``training_data`` becomes a distributed-sampled DataLoader.
+
+Each data-parallel rank reads its own shard (``DistributedSampler``) in micro-batches of
+``train_micro_batch_size_per_gpu``; the shuffle order changes every epoch, deterministically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from microspeed.config import Field
+from microspeed.hookspecs import hookimpl
+
+
+class MicroBatchLoader:
+    """Iterates micro-batches of one data-parallel rank's shard; reshuffles each epoch.
+
+    ``len()`` is the number of micro-batches per epoch on this rank. ``state_dict()`` records
+    the epoch and how many micro-batches of it were consumed, so a resumed run continues where
+    it stopped.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, num_replicas: int, rank: int,
+                 collate_fn: Callable | None = None, drop_last: bool = False, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        self.sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                                          seed=seed, drop_last=drop_last)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
+                                 drop_last=drop_last)
+        self.epoch = 0
+        self.consumed = 0
+        self._skip = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.sampler.set_epoch(self.epoch)
+        skip, self._skip = self._skip, 0
+        self.consumed = 0
+        for i, batch in enumerate(self.loader):
+            if i < skip:
+                continue
+            self.consumed = i + 1
+            yield batch
+        self.epoch += 1
+        self.consumed = 0
+
+    def state_dict(self) -> dict[str, int]:
+        """Epoch and micro-batches consumed in it."""
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position: the next ``iter()`` skips what was consumed."""
+        self.epoch, self._skip = int(state["epoch"]), int(state["consumed"])
+
+
+class RepeatingLoader:
+    """Wraps an iterable and restarts it when exhausted, so ``next()`` never stops."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
+class DataLoaderPlugin:
+    """Default answer to ``microspeed_make_dataloader``."""
+
+    @hookimpl
+    def microspeed_config_sections(self) -> dict:
+        """``dataloader_drop_last``."""
+        return {"dataloader_drop_last": Field((bool,), False, "drop the last incomplete micro-batch")}
+
+    @hookimpl(trylast=True)
+    def microspeed_make_dataloader(self, engine, dataset: Any, collate_fn: Callable | None) -> MicroBatchLoader:
+        """A :class:`MicroBatchLoader` over this rank's shard of ``dataset``."""
+        if not isinstance(dataset, torch.utils.data.Dataset):
+            from microspeed.errors import ConfigError
+
+            raise ConfigError(f"initialize(training_data=...): expected a torch.utils.data.Dataset, "
+                              f"got {type(dataset).__name__}.")
+        topo = engine.topology
+        return MicroBatchLoader(dataset, engine.train_micro_batch_size_per_gpu(), topo.data_parallel_size,
+                                topo.data_parallel_rank, collate_fn, engine.config["dataloader_drop_last"])
+
+    @hookimpl
+    def microspeed_checkpoint_state(self, engine) -> dict | None:
+        """The loader's position, so resumed training sees the same data."""
+        loader = engine.training_dataloader
+        return {"dataloader": loader.state_dict()} if isinstance(loader, MicroBatchLoader) else None
+
+    @hookimpl
+    def microspeed_load_checkpoint_state(self, engine, states: dict) -> None:
+        """Restore the loader's position."""
+        loader = engine.training_dataloader
+        if isinstance(loader, MicroBatchLoader) and "dataloader" in states:
+            loader.load_state_dict(states["dataloader"])

@@ -1,0 +1,115 @@
+"""Every ``steps_per_print`` steps, one structured log line: loss, lr, grad norm, scale, samples/s.
+
+With ``wall_clock_breakdown`` the line also carries the milliseconds spent in forward,
+backward and step over the window.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from microspeed.config import Field, positive
+from microspeed.hookspecs import hookimpl
+from microspeed.log import get_logger
+
+
+class StepLoggingPlugin:
+    """Logs progress on rank 0 through structlog."""
+
+    def __init__(self) -> None:
+        self.every = 10
+        self.breakdown = False
+        self.loss_sum: torch.Tensor | None = None
+        self.loss_count = 0
+        self.window_start = time.perf_counter()
+        self.window_samples = 0
+        self.phase_ms = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self._t0 = 0.0
+        self.log = None
+
+    @hookimpl
+    def microspeed_config_sections(self) -> dict:
+        """``steps_per_print`` and ``wall_clock_breakdown``."""
+        return {
+            "steps_per_print": Field((int,), 10, "log every N optimizer steps", positive),
+            "wall_clock_breakdown": Field((bool,), False, "log time spent in forward/backward/step"),
+        }
+
+    @hookimpl
+    def microspeed_configure(self, config) -> None:
+        """Read the keys."""
+        self.every = config["steps_per_print"]
+        self.breakdown = config["wall_clock_breakdown"]
+
+    @hookimpl
+    def microspeed_setup(self, engine) -> None:
+        """Bind the logger (rank 0 logs)."""
+        if engine.topology.rank == 0:
+            self.log = get_logger("microspeed.train")
+        self.window_start = time.perf_counter()
+
+    def _tick(self) -> None:
+        if self.breakdown:
+            self._t0 = time.perf_counter()
+
+    def _tock(self, phase: str) -> None:
+        if self.breakdown:
+            self.phase_ms[phase] += (time.perf_counter() - self._t0) * 1e3
+
+    @hookimpl
+    def microspeed_before_forward(self) -> None:
+        """Start the forward timer."""
+        self._tick()
+
+    @hookimpl
+    def microspeed_after_forward(self) -> None:
+        """Stop the forward timer."""
+        self._tock("forward")
+
+    @hookimpl
+    def microspeed_before_backward(self, ctx) -> None:
+        """Accumulate the loss (no host sync) and start the backward timer."""
+        loss = ctx.loss.detach().float()
+        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
+        self.loss_count += 1
+        self._tick()
+
+    @hookimpl
+    def microspeed_after_backward(self) -> None:
+        """Stop the backward timer."""
+        self._tock("backward")
+
+    @hookimpl
+    def microspeed_before_step(self) -> None:
+        """Start the step timer."""
+        self._tick()
+
+    @hookimpl
+    def microspeed_after_step(self) -> None:
+        """Stop the step timer."""
+        self._tock("step")
+
+    @hookimpl
+    def microspeed_after_global_step(self, engine) -> None:
+        """Emit the line every ``steps_per_print`` steps."""
+        self.window_samples += engine.train_batch_size()
+        if engine.global_steps % self.every or self.log is None:
+            return
+        elapsed = time.perf_counter() - self.window_start
+        fields = {
+            "step": engine.global_steps,
+            "loss": round(float(self.loss_sum / max(self.loss_count, 1)), 5) if self.loss_sum is not None else None,
+            "lr": engine.get_lr()[0] if engine.get_lr() else None,
+            "grad_norm": None if engine.get_global_grad_norm() is None else round(engine.get_global_grad_norm(), 4),
+            "samples_per_s": round(self.window_samples / elapsed, 2) if elapsed > 0 else None,
+            "skipped": engine.skipped_steps,
+            **engine.metrics,
+        }
+        if self.breakdown:
+            fields.update({f"{k}_ms": round(v, 2) for k, v in self.phase_ms.items()})
+            self.phase_ms = dict.fromkeys(self.phase_ms, 0.0)
+        self.log.info("train", **fields)
+        self.loss_sum, self.loss_count = None, 0
+        self.window_start, self.window_samples = time.perf_counter(), 0

@@ -1,0 +1,81 @@
+"""The ``microspeed`` command: ``run`` (torchrun), ``plugins`` (what loaded), ``demo`` (train a GPT)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from microspeed.plugins import PluginManager, all_hook_names
+
+
+def cmd_run(argv: Sequence[str]) -> int:
+    """``microspeed run [torchrun options] script.py [args]``: hands everything to torchrun."""
+    from torch.distributed import run as torchrun
+
+    args = list(argv)
+    if not any(a.startswith("--nproc") for a in args):
+        args = ["--nproc-per-node", "1", *args]
+    torchrun.main(args)
+    return 0
+
+
+def cmd_plugins(argv: Sequence[str]) -> int:
+    """List the plugins that load, with versions, and each hook's implementers in call order."""
+    parser = argparse.ArgumentParser(prog="microspeed plugins")
+    parser.add_argument("--disable", action="append", default=[], help="plugin name not to load")
+    opts = parser.parse_args(argv)
+    pm = PluginManager()
+    pm.load_all(disabled=opts.disable)
+    print("plugins (registration order):")
+    for info in pm.infos.values():
+        print(f"  {info.name:24s} {info.version or '-':10s} {info.source}")
+        print(f"      hooks: {', '.join(h.removeprefix('microspeed_') for h in pm.hooks_of(info.name))}")
+    print("\nhooks (implementers in call order):")
+    for hook in all_hook_names():
+        names = pm.implementers(hook)
+        print(f"  {hook.removeprefix('microspeed_'):24s} {' -> '.join(names) if names else '(none)'}")
+    return 0
+
+
+def cmd_demo(argv: Sequence[str]) -> int:
+    """Train the demo GPT on 2 local processes (or ``--nproc``), via torchrun."""
+    parser = argparse.ArgumentParser(prog="microspeed demo")
+    parser.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
+    parser.add_argument("--config", default=None, help="ds_config JSON (default examples/ds_config_demo.json)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps")
+    parser.add_argument("--out", default="runs/demo", help="checkpoint directory")
+    opts, rest = parser.parse_known_args(argv)
+    from microspeed.demo import train as demo_train
+
+    script = os.path.abspath(demo_train.__file__)
+    args = [f"--nproc-per-node={opts.nproc}", "--standalone", script, "--out", opts.out]
+    if opts.config:
+        args += ["--config", opts.config]
+    if opts.steps:
+        args += ["--steps", str(opts.steps)]
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
+    from torch.distributed import run as torchrun
+
+    torchrun.main(args + list(rest))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "plugins": cmd_plugins, "demo": cmd_demo}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``microspeed`` command."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: microspeed {run,plugins,demo} ...\n"
+              "  run      launch a training script on N processes (wraps torchrun)\n"
+              "  plugins  list loaded plugins, their versions and hooks\n"
+              "  demo     train a small GPT on 2 local CPU processes")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

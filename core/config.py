@@ -1,0 +1,297 @@
+"""ds_config parsing: DeepSpeed's keys, strict validation, sections owned by plugins.
+
+The schema is assembled at ``initialize()`` from the sections every plugin claims through
+``microspeed_config_sections``. Validation is strict: an unknown key at any depth, a wrong type,
+a value out of range, or a section whose plugin is not installed is a :class:`ConfigError` that
+names the key path, what was given, what is accepted and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from microspeed.errors import ConfigError
+
+AUTO = "auto"
+_REQUIRED = object()
+
+#: Sections DeepSpeed users write that belong to a plugin distribution, and that distribution.
+PLUGIN_SECTIONS: dict[str, str] = {
+    "zero_optimization": "microspeed-zero",
+    "zero_force_ds_cpu_optimizer": "microspeed-zero",
+    "pipeline": "microspeed-pipeline",
+    "activation_checkpointing": "microspeed-pipeline",
+    "sparse_attention": "microspeed-sparse-attn",
+    "moe": "microspeed-moe",
+    "curriculum_learning": "microspeed-efficiency",
+    "data_efficiency": "microspeed-efficiency",
+    "progressive_layer_drop": "microspeed-efficiency",
+    "flops_profiler": "microspeed-efficiency",
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One scalar (or list) config key: accepted types, default, check and documentation.
+
+    ``check(value)`` returns ``None`` when the value is fine, else the text "what is accepted".
+    ``auto=True`` lets the user write ``"auto"``; the owner resolves it (the value stays
+    ``"auto"`` in the parsed config until then).
+    """
+
+    types: tuple[type, ...]
+    default: Any = None
+    doc: str = ""
+    check: Callable[[Any], str | None] | None = None
+    choices: tuple[Any, ...] | None = None
+    auto: bool = False
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Section:
+    """A nested config section: named fields and subsections.
+
+    ``open=True`` accepts any keys below it (their owner validates them, for example
+    ``optimizer.params`` is checked against the optimizer's signature).
+    """
+
+    fields: Mapping[str, Field | Section] = field(default_factory=dict)
+    doc: str = ""
+    open: bool = False
+
+
+def positive(v: Any) -> str | None:
+    """Check: a number > 0."""
+    return None if v > 0 else "a number > 0"
+
+
+def non_negative(v: Any) -> str | None:
+    """Check: a number >= 0."""
+    return None if v >= 0 else "a number >= 0"
+
+
+def _type_name(types: tuple[type, ...]) -> str:
+    names = {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "an object", type(None): "null"}
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _validate(path: str, value: Any, spec: Field | Section) -> Any:
+    if isinstance(spec, Section):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{path}: expected an object (section), got {value!r}.")
+        return _validate_section(path, value, spec)
+    if value == AUTO and isinstance(value, str):
+        if spec.auto:
+            return AUTO
+        raise ConfigError(
+            f'{path}: "auto" cannot be resolved for this key; give {_type_name(spec.types)} '
+            f"(default: {spec.default!r})."
+        )
+    if not _type_ok(value, spec.types):
+        raise ConfigError(f"{path}: expected {_type_name(spec.types)}, got {value!r} ({type(value).__name__}).")
+    if spec.choices is not None and value not in spec.choices:
+        raise ConfigError(f"{path}: got {value!r}; accepted values: {', '.join(map(repr, spec.choices))}.")
+    if spec.check is not None and value is not None:
+        problem = spec.check(value)
+        if problem:
+            raise ConfigError(f"{path}: got {value!r}; expected {problem}.")
+    if isinstance(value, int) and not isinstance(value, bool) and float in spec.types and int not in spec.types:
+        value = float(value)
+    return value
+
+
+def _validate_section(path: str, given: Mapping[str, Any], section: Section, present: bool = True) -> dict[str, Any]:
+    if section.open:
+        return dict(given)
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        sub = f"{path}.{key}" if path else key
+        spec = section.fields.get(key)
+        if spec is None:
+            raise _unknown_key(path, key, section)
+        out[key] = _validate(sub, value, spec)
+    for key, spec in section.fields.items():
+        if key in out:
+            continue
+        sub = f"{path}.{key}" if path else key
+        if isinstance(spec, Section):
+            out[key] = _validate_section(sub, {}, spec, present=False)
+        elif spec.required and present:
+            raise ConfigError(f"{sub}: required key is missing ({spec.doc or _type_name(spec.types)}).")
+        else:
+            out[key] = spec.default
+    return out
+
+
+def _unknown_key(path: str, key: str, section: Section) -> ConfigError:
+    where = f"{path}.{key}" if path else key
+    if not path and key in PLUGIN_SECTIONS:
+        dist = PLUGIN_SECTIONS[key]
+        return ConfigError(
+            f"{where}: this section belongs to the plugin distribution {dist!r}, which is not "
+            f"installed (or is disabled). Install it (pip install ./plugins/{dist.removeprefix('microspeed-')}"
+            f" or pip install {dist}), or remove the section."
+        )
+    candidates = list(section.fields)
+    hint = _suggest(key, candidates)
+    if not hint and not path:
+        hint = _suggest(key, list(PLUGIN_SECTIONS))
+    valid = ", ".join(sorted(candidates)) if len(candidates) <= 12 else f"{len(candidates)} keys (see README)"
+    return ConfigError(f"{where}: unknown key.{hint} Valid keys here: {valid}.")
+
+
+class Config:
+    """A validated ds_config: the user's raw dict and the parsed values with defaults."""
+
+    def __init__(self, raw: Mapping[str, Any], values: dict[str, Any]) -> None:
+        self.raw = dict(raw)
+        self.values = values
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.values
+
+    def get(self, dotted: str, default: Any = None) -> Any:
+        """The parsed value at a dotted path (``"fp16.enabled"``), or ``default``."""
+        node: Any = self.values
+        for part in dotted.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def is_set(self, dotted: str) -> bool:
+        """Whether the *user* wrote the key at this dotted path."""
+        node: Any = self.raw
+        for part in dotted.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                return False
+            node = node[part]
+        return True
+
+    def set(self, dotted: str, value: Any) -> None:
+        """Set a parsed value (used when resolving ``"auto"``)."""
+        *parents, last = dotted.split(".")
+        node = self.values
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+
+    def digest(self) -> str:
+        """A short hash of the parsed config: what ranks compare at ``initialize()``."""
+        text = json.dumps(self.values, sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The parsed config as a plain dict (a copy)."""
+        return json.loads(json.dumps(self.values, default=repr))
+
+
+def load_raw(config: Any = None, args: Any = None) -> dict[str, Any]:
+    """The user's ds_config as a dict: from ``config`` (dict or JSON path) or ``args``.
+
+    ``args.deepspeed_config`` (or ``args.deepscale_config``) is used when ``config`` is None.
+    """
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is None:
+        raise ConfigError(
+            "no ds_config: pass initialize(config=<dict or path to JSON>) or "
+            "args.deepspeed_config (see microspeed.add_config_arguments)."
+        )
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config: file {path!r} does not exist.")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config: {path!r} is not valid JSON: {exc}") from exc
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config: expected a dict or a path to a JSON file, got {type(config).__name__}.")
+    return dict(config)
+
+
+def merge_schema(claims: list[dict[str, Field | Section]]) -> Section:
+    """Merge the sections claimed by plugins into one top-level schema; refuse double claims."""
+    fields: dict[str, Field | Section] = {}
+    for claim in claims:
+        for name, spec in (claim or {}).items():
+            if name in fields:
+                raise ConfigError(f"config section {name!r} is claimed by two plugins; disable one of them.")
+            fields[name] = spec
+    return Section(fields=fields)
+
+
+def parse(raw: Mapping[str, Any], schema: Section) -> Config:
+    """Validate ``raw`` against ``schema`` and fill defaults; raise :class:`ConfigError`."""
+    return Config(raw, _validate_section("", raw, schema))
+
+
+def resolve_batch_triad(config: Config, dp_world_size: int) -> tuple[int, int, int]:
+    """Resolve DeepSpeed's batch triad in place; return ``(train_batch, micro_batch, gas)``.
+
+    ``train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+    data-parallel world size``; any two give the third; one alone assumes 1 accumulation step.
+    """
+
+    def given(key: str) -> int | None:
+        v = config.get(key)
+        return None if v in (None, AUTO) else int(v)
+
+    tbs, mbs, gas = given("train_batch_size"), given("train_micro_batch_size_per_gpu"), given(
+        "gradient_accumulation_steps"
+    )
+    ws = dp_world_size
+    if tbs is not None and mbs is not None and gas is not None:
+        pass
+    elif tbs is not None and mbs is not None:
+        gas = max(tbs // mbs // ws, 1)
+    elif tbs is not None and gas is not None:
+        mbs = max(tbs // ws // gas, 1)
+    elif mbs is not None and gas is not None:
+        tbs = mbs * gas * ws
+    elif tbs is not None:
+        gas, mbs = 1, max(tbs // ws, 1)
+    elif mbs is not None:
+        gas = gas or 1
+        tbs = mbs * gas * ws
+    else:
+        raise ConfigError(
+            "train_batch_size / train_micro_batch_size_per_gpu: give at least one of them "
+            "(with gradient_accumulation_steps optional)."
+        )
+    if tbs != mbs * gas * ws:
+        raise ConfigError(
+            f"batch size mismatch: train_batch_size={tbs} must equal train_micro_batch_size_per_gpu={mbs}"
+            f" x gradient_accumulation_steps={gas} x data-parallel world size={ws} (= {mbs * gas * ws}). "
+            "Fix one of the three, or give only two and let the third be derived."
+        )
+    config.set("train_batch_size", tbs)
+    config.set("train_micro_batch_size_per_gpu", mbs)
+    config.set("gradient_accumulation_steps", gas)
+    return tbs, mbs, gas

@@ -1,0 +1,244 @@
+"""The engine: DeepSpeed's user API over the training lifecycle, emitting hooks.
+
+The engine knows the order of things — forward, backward, gradient reduction at the
+accumulation boundary, optimizer step, counters — and nothing about how any of them is done:
+each "how" is a hook answered by a plugin (see :mod:`microspeed.hookspecs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from microspeed.config import Config
+from microspeed.errors import ConfigError
+from microspeed.hookspecs import StepOutcome
+from microspeed.plugins import PluginManager
+from microspeed.topology import Topology
+
+
+@dataclass
+class StepContext:
+    """What one micro-step carries between hooks; listeners may replace fields.
+
+    ``args``/``kwargs`` go into the model, ``outputs`` come out, ``loss`` is what
+    ``engine.backward`` received (unscaled). ``scale_wrt_gas`` mirrors DeepSpeed's argument.
+    ``boundary``: this micro-step ends an accumulation window; ``reduce``: its gradients are
+    reduced across ranks after backward (boundary, outside ``no_sync``, ``allreduce_gradients``).
+    """
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    scale_wrt_gas: bool = True
+    boundary: bool = False
+    reduce: bool = False
+
+
+class Engine(torch.nn.Module):
+    """A model under training: call it like the module, then ``backward(loss)`` and ``step()``.
+
+    Made by :func:`microspeed.initialize`. Unknown attributes are looked up on the wrapped
+    module, as DeepSpeed's engine does.
+    """
+
+    def __init__(self, plugins: PluginManager, config: Config, topology: Topology, model: torch.nn.Module):
+        super().__init__()
+        self.module = model
+        self.plugins = plugins
+        self.hook = plugins.hook
+        self.config = config
+        self.topology = topology
+        self.optimizer: Any = None
+        self.lr_scheduler: Any = None
+        self.training_dataloader: Any = None
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self.metrics: dict[str, Any] = {}
+        self.ctx = StepContext()
+        self._plugin_state: dict[str, Any] = {}
+        self._last_outcome = StepOutcome(applied=False)
+        self._inside_no_sync = False
+
+    # -- plugin state --------------------------------------------------------------------
+
+    def set_plugin_state(self, name: str, state: Any) -> None:
+        """Attach a plugin's per-engine state object under ``name``."""
+        self._plugin_state[name] = state
+
+    def plugin_state(self, name: str, default: Any = None) -> Any:
+        """The state object a plugin attached under ``name`` (``default`` if none)."""
+        return self._plugin_state.get(name, default)
+
+    # -- batch triad & counters ----------------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
+        return self.config["train_batch_size"]
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward/backward on one rank."""
+        return self.config["train_micro_batch_size_per_gpu"]
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.config["gradient_accumulation_steps"]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step is the last one before an optimizer step."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The data-parallel process group (``None`` = world)."""
+        return self.topology.data_parallel_group
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's first parameter (CPU for a model without any)."""
+        p = next(self.module.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    # -- forward / backward / step -------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on one micro-batch (hooks ``before_forward`` / ``after_forward``)."""
+        self.ctx = ctx = StepContext(args=args, kwargs=kwargs, boundary=self.is_gradient_accumulation_boundary())
+        with self._phase("forward"):
+            self.hook.microspeed_before_forward(engine=self, ctx=ctx)
+            ctx.outputs = self.module(*ctx.args, **ctx.kwargs)
+            self.hook.microspeed_after_forward(engine=self, ctx=ctx)
+        return ctx.outputs
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        allreduce_gradients: bool = True,
+        release_loss: bool = False,
+        retain_graph: bool = False,
+        scale_wrt_gas: bool = True,
+    ) -> torch.Tensor:
+        """Backward on ``loss`` (scaled for gradient accumulation and loss scaling).
+
+        At the accumulation boundary (and outside :meth:`no_sync`) gradients are then reduced
+        across the data-parallel group. Returns the loss it was given.
+        """
+        del release_loss
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(f"engine.backward(loss): expected a scalar tensor, got {type(loss).__name__}"
+                            f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}.")
+        ctx = self.ctx
+        ctx.loss, ctx.scale_wrt_gas = loss, scale_wrt_gas
+        ctx.boundary = self.is_gradient_accumulation_boundary()
+        ctx.reduce = ctx.boundary and allreduce_gradients and not self._inside_no_sync
+        with self._phase("backward"):
+            self.hook.microspeed_before_backward(engine=self, ctx=ctx)
+            scaled = self.plugins.call_chain("microspeed_scale_loss", "loss", loss, engine=self)
+            self.hook.microspeed_backward(engine=self, loss=scaled, retain_graph=retain_graph)
+            self.hook.microspeed_after_backward(engine=self, ctx=ctx)
+            if ctx.reduce:
+                self.hook.microspeed_reduce_gradients(engine=self)
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Count a micro-step; at the accumulation boundary, step the optimizer and scheduler."""
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first, "
+                               "so that gradients are reduced before the optimizer steps.")
+        if self.is_gradient_accumulation_boundary():
+            if self.optimizer is None:
+                raise ConfigError("engine.step(): no optimizer. Give an 'optimizer' section in the config "
+                                  "or initialize(optimizer=...).")
+            with self._phase("step"):
+                self.hook.microspeed_before_step(engine=self)
+                outcome = self.hook.microspeed_optimizer_step(engine=self)
+                if outcome.applied:
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step(**(lr_kwargs or {}))
+                else:
+                    self.skipped_steps += 1
+                self._last_outcome = outcome
+                self.hook.microspeed_after_step(engine=self, outcome=outcome)
+                self.zero_grad()
+                self.global_steps += 1
+                self.global_samples += self.train_batch_size()
+                self.hook.microspeed_after_global_step(engine=self)
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's and the optimizer's gradients."""
+        self.module.zero_grad(set_to_none=set_to_none)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction for backward passes inside the block (as DDP's ``no_sync``)."""
+        previous, self._inside_no_sync = self._inside_no_sync, True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = previous
+
+    @contextlib.contextmanager
+    def _phase(self, phase: str) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            self.hook.microspeed_on_exception(engine=self, exc=exc, phase=phase)
+            raise
+
+    # -- introspection -------------------------------------------------------------------
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer parameter group."""
+        return [g["lr"] for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last optimizer step."""
+        return self._last_outcome.grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step was applied (``False`` after an fp16 overflow)."""
+        return self._last_outcome.applied
+
+    def train(self, mode: bool = True) -> Engine:
+        """Set training mode on the wrapped module."""
+        self.module.train(mode)
+        self.training = mode
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self._modules.get("module")
+            if module is not None and name not in ("module",):
+                return getattr(module, name)
+            raise
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> bool:
+        """Save model, optimizer, scheduler, counters and plugin state under ``save_dir/tag``."""
+        from microspeed import checkpoint
+
+        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict]:
+        """Load a checkpoint written by :meth:`save_checkpoint`; return ``(path, client_state)``."""
+        from microspeed import checkpoint
+
+        return checkpoint.load(self, load_dir, tag=tag, strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)

@@ -1,0 +1,281 @@
+"""Every hook of microspeed: the contract plugins are written against.
+
+Plugins implement these with :data:`microspeed.hookimpl`. Hooks are grouped by lifecycle phase.
+Three kinds, as pytest uses pluggy:
+
+* **setup** hooks run once per engine, inside :func:`microspeed.initialize`;
+* **"who does it"** hooks are ``firstresult``: the first non-``None`` answer wins. The core ships
+  a default answer as a built-in ``trylast`` plugin; a feature plugin answers first when enabled;
+* **notifications** return nothing (their return value is ignored).
+
+A few setup hooks are *chains*: the core calls each implementation in pluggy's call order and
+passes the previous implementation's result on (``None`` means "unchanged"). Chains are marked
+below; they are called through :meth:`microspeed.plugins.PluginManager.call_chain`.
+
+Implementations may accept any subset of a hook's arguments, by name (pluggy's rule).
+
+Order of one training step with gradient accumulation 2 (``engine(x)``, ``engine.backward(l)``,
+``engine.step()`` twice)::
+
+    before_forward, after_forward, before_backward, scale_loss*, backward, after_backward,
+    before_forward, after_forward, before_backward, scale_loss*, backward, after_backward,
+    reduce_gradients, before_step, optimizer_step (→ clip_gradients), after_step
+
+(``*`` a chain). ``before_step``/``optimizer_step``/``after_step`` fire only at the gradient
+accumulation boundary; ``engine.step()`` between boundaries only counts the micro-step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import torch
+
+    from microspeed.config import Config, Section
+    from microspeed.engine import Engine, StepContext
+    from microspeed.topology import Topology
+
+PROJECT = "microspeed"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+"""Marker for hook specifications (used only in this module and by plugins adding hooks)."""
+
+hookimpl = pluggy.HookimplMarker(PROJECT)
+"""Marker for hook implementations: ``@microspeed.hookimpl`` on a plugin's method or function."""
+
+
+# --------------------------------------------------------------------------------------- setup
+
+
+@hookspec
+def microspeed_config_sections() -> dict[str, Section]:
+    """Name the ds_config sections (or top-level keys) this plugin owns, with their schema.
+
+    Collected from every plugin. Returns ``{name: Section}`` for nested sections, or
+    ``{name: Field}`` for a top-level scalar key. Two plugins claiming one name is an error at
+    ``initialize()``. Keys in no claimed section are refused by :mod:`microspeed.config`.
+    """
+
+
+@hookspec
+def microspeed_configure(config: Config, world_size: int) -> None:
+    """Read the validated config; decide whether this plugin is active.
+
+    Fires once per engine, after validation and before the topology is made. ``config`` is a
+    :class:`microspeed.config.Config`; a plugin may raise :class:`microspeed.ConfigError` for a
+    value that only it can judge. The batch triad is already resolved.
+    """
+
+
+@hookspec
+def microspeed_conflicts(config: Config) -> list[tuple[str, str]] | None:
+    """Declare what this active plugin cannot be combined with.
+
+    Return a list of ``(config_key, reason)`` pairs: if ``config_key`` (a dotted path) is set in
+    the config, ``initialize()`` refuses with a message naming this plugin, the key and the
+    reason. Collected from every plugin.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_make_topology(config: Config, world_size: int, mpu: Any) -> Topology | None:
+    """Build the process topology (which ranks form the data-parallel group, and so on).
+
+    Who does it. ``mpu`` is what the user passed as ``initialize(mpu=...)`` (Megatron-style
+    object) or ``None``. Default (built-in ``data_parallel``): every rank is one data-parallel
+    replica, or the groups ``mpu`` names.
+    The data-parallel world size it reports is the one the batch triad is resolved against.
+    """
+
+
+@hookspec
+def microspeed_setup(engine: Engine) -> None:
+    """The engine exists (config, topology, plugin manager); attach per-engine state.
+
+    Fires before the model is transformed. A plugin keeps its per-engine state on the engine
+    with ``engine.set_plugin_state(name, obj)``, never in module globals.
+    """
+
+
+@hookspec
+def microspeed_transform_model(engine: Engine, model: torch.nn.Module) -> torch.nn.Module | None:
+    """Chain: wrap, cast or modify the model; return the new model or ``None`` for unchanged.
+
+    Runs in call order (``tryfirst`` implementations first). Used for precision casts,
+    activation checkpointing, kernel replacement, parallel wrappers. Fires before the optimizer
+    is built, so the optimizer sees the final parameters.
+    """
+
+
+@hookspec
+def microspeed_after_model_ready(engine: Engine, model: torch.nn.Module) -> None:
+    """The model is final (``engine.module``); install module or autograd hooks here.
+
+    The data-parallel plugin installs its gradient-bucket hooks here, for example.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_make_optimizer(engine: Engine, params: list[Any], config: Config) -> Any | None:
+    """Who builds the optimizer from the ds_config ``optimizer`` section.
+
+    Not called when the client passed an optimizer object or factory. ``params`` are the
+    ``model_parameters`` given to ``initialize()`` (or the model's trainable parameters).
+    """
+
+
+@hookspec
+def microspeed_wrap_optimizer(engine: Engine, optimizer: Any) -> Any | None:
+    """Chain: adjust or wrap the optimizer (for example swap in fp32 master parameters).
+
+    Return the optimizer to use from now on, or ``None`` for unchanged.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_make_scheduler(engine: Engine, optimizer: Any, config: Config) -> Any | None:
+    """Who builds the LR scheduler from the ds_config ``scheduler`` section (``None``: none).
+
+    Not called when the client passed a scheduler object or factory.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_make_dataloader(engine: Engine, dataset: Any, collate_fn: Any) -> Any | None:
+    """Who turns ``training_data`` into the training data loader."""
+
+
+# ---------------------------------------------------------------------------------- micro-step
+
+
+@hookspec
+def microspeed_before_forward(engine: Engine, ctx: StepContext) -> None:
+    """Notification: the engine is about to run the model on ``ctx.args`` / ``ctx.kwargs``.
+
+    A listener may replace ``ctx.args`` / ``ctx.kwargs`` (curriculum truncation, casts).
+    """
+
+
+@hookspec
+def microspeed_after_forward(engine: Engine, ctx: StepContext) -> None:
+    """Notification: the model ran; ``ctx.outputs`` holds what it returned (may be replaced)."""
+
+
+@hookspec
+def microspeed_before_backward(engine: Engine, ctx: StepContext) -> None:
+    """Notification: ``engine.backward(loss)`` was called; ``ctx.loss`` is the unscaled loss."""
+
+
+@hookspec
+def microspeed_scale_loss(engine: Engine, loss: torch.Tensor) -> torch.Tensor | None:
+    """Chain: scale the loss before backward (gradient accumulation, fp16 loss scale).
+
+    Return the scaled loss or ``None`` for unchanged.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_backward(engine: Engine, loss: torch.Tensor, retain_graph: bool) -> bool | None:
+    """Who runs the backward pass on the (scaled) loss. Return ``True`` when done."""
+
+
+@hookspec
+def microspeed_after_backward(engine: Engine, ctx: StepContext) -> None:
+    """Notification: gradients of this micro-step exist (not yet reduced across ranks)."""
+
+
+@hookspec(firstresult=True)
+def microspeed_gradient_buffers(engine: Engine) -> list[torch.Tensor] | None:
+    """Who holds the accumulated gradients, when they are not the model parameters' ``.grad``.
+
+    ``None`` (the default) means ``p.grad`` of the model's parameters. A plugin that
+    accumulates elsewhere (fp32 accumulation of a bf16 model) returns its buffers; the
+    reducer then reduces those at the boundary instead of overlapping with backward.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_reduce_gradients(engine: Engine) -> bool | None:
+    """Who reduces gradients across the data-parallel group at the accumulation boundary.
+
+    Fires at the boundary, right after the last micro-step's backward. Return ``True`` when
+    done. Default: the built-in bucketed all-reduce (which may already have launched buckets
+    from autograd hooks during backward and now waits for them).
+    """
+
+
+# -------------------------------------------------------------------------------------- step
+
+
+@hookspec
+def microspeed_before_step(engine: Engine) -> None:
+    """Notification: the accumulation boundary was reached; the optimizer is about to step."""
+
+
+@hookspec(firstresult=True)
+def microspeed_optimizer_step(engine: Engine) -> StepOutcome | None:
+    """Who steps the optimizer. Returns a :class:`StepOutcome` (applied or skipped, grad norm).
+
+    Default: clip (through :func:`microspeed_clip_gradients`), then ``optimizer.step()``.
+    Mixed precision answers first: unscale, check overflow (skip and lower the scale), clip,
+    step the fp32 masters, copy back.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_clip_gradients(engine: Engine, grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """Who computes the global gradient norm over ``grads`` and clips them in place.
+
+    ``grads`` are unscaled. Returns the total norm before clipping (a 0-d tensor). The default
+    reads ``gradient_clipping`` from the config (0 = measure only).
+    """
+
+
+@hookspec
+def microspeed_after_step(engine: Engine, outcome: StepOutcome) -> None:
+    """Notification: the optimizer stepped (or skipped, see ``outcome.applied``).
+
+    The LR scheduler has already advanced; ``engine.global_steps`` has not yet.
+    """
+
+
+@hookspec
+def microspeed_after_global_step(engine: Engine) -> None:
+    """Notification: counters advanced (``engine.global_steps`` is the new value); log here."""
+
+
+# -------------------------------------------------------------------------------- checkpoint
+
+
+@hookspec
+def microspeed_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
+    """Collected: this plugin's state to save in a checkpoint, ``{plugin_name: state}``."""
+
+
+@hookspec
+def microspeed_load_checkpoint_state(engine: Engine, states: dict[str, Any]) -> None:
+    """Restore this plugin's state from ``states`` (the dict of every plugin's saved state)."""
+
+
+# ------------------------------------------------------------------------------------- any
+
+
+@hookspec
+def microspeed_on_exception(engine: Engine | None, exc: BaseException, phase: str) -> None:
+    """Notification: ``phase`` (``"forward"``, ``"backward"``, ``"step"``, ...) raised ``exc``."""
+
+
+class StepOutcome:
+    """What an optimizer step did: whether it was applied, and the global gradient norm."""
+
+    __slots__ = ("applied", "grad_norm")
+
+    def __init__(self, applied: bool, grad_norm: float | None = None) -> None:
+        self.applied = applied
+        self.grad_norm = grad_norm
+
+    def __repr__(self) -> str:
+        return f"StepOutcome(applied={self.applied}, grad_norm={self.grad_norm})"
