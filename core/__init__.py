@@ -17,6 +17,7 @@ from typing import Any
 
 from microspeed import namespaces as _namespaces
 from microspeed.bootstrap import initialize
+from microspeed.builtin.dataloader import RepeatingLoader
 from microspeed.comm import init_distributed
 from microspeed.engine import Engine, StepContext
 from microspeed.errors import ConfigError, MissingPluginError, PluginError
@@ -33,6 +34,7 @@ __all__ = [
     "Engine",
     "MissingPluginError",
     "PluginError",
+    "RepeatingLoader",
     "StepContext",
     "StepOutcome",
     "__version__",
