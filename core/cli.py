@@ -62,17 +62,36 @@ def cmd_demo(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plugins": cmd_plugins, "demo": cmd_demo}
+def cmd_config_keys(argv: Sequence[str]) -> int:
+    """Print the ds_config keys the loaded plugins accept, as the README's Markdown table."""
+    from microspeed.config import markdown_table, merge_schema
+
+    pm = PluginManager()
+    pm.load_all(disabled=list(argv))
+    owners: dict[str, str] = {}
+    claims = []
+    for impl in pm.impls_in_call_order("microspeed_config_sections"):
+        claim = impl.function() or {}
+        claims.append(claim)
+        owners.update(dict.fromkeys(claim, impl.plugin_name))
+    order = list(pm.infos)
+    schema = merge_schema(sorted(claims, key=lambda c: min((order.index(owners[k]) for k in c), default=0)))
+    print(markdown_table(schema, owners))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "plugins": cmd_plugins, "demo": cmd_demo, "config-keys": cmd_config_keys}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``microspeed`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: microspeed {run,plugins,demo} ...\n"
+        print("usage: microspeed {run,plugins,demo,config-keys} ...\n"
               "  run      launch a training script on N processes (wraps torchrun)\n"
               "  plugins  list loaded plugins, their versions and hooks\n"
-              "  demo     train a small GPT on 2 local CPU processes")
+              "  demo     train a small GPT on 2 local CPU processes\n"
+              "  config-keys  print the ds_config keys the installed plugins accept (Markdown)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

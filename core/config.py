@@ -295,3 +295,27 @@ def resolve_batch_triad(config: Config, dp_world_size: int) -> tuple[int, int, i
     config.set("train_micro_batch_size_per_gpu", mbs)
     config.set("gradient_accumulation_steps", gas)
     return tbs, mbs, gas
+
+
+def markdown_table(schema: Section, owners: Mapping[str, str] | None = None) -> str:
+    """The supported ds_config keys as a Markdown table (key, type, default, plugin, meaning)."""
+    owners = owners or {}
+    rows = ["| key | type | default | plugin | meaning |", "|---|---|---|---|---|"]
+
+    def walk(prefix: str, section: Section, owner: str) -> None:
+        for name, spec in section.fields.items():
+            path = f"{prefix}.{name}" if prefix else name
+            who = owners.get(name, owner) if not prefix else owner
+            if isinstance(spec, Section):
+                if spec.open or not spec.fields:
+                    rows.append(f"| `{path}` | object | | {who} | {spec.doc} |")
+                walk(path, spec, who)
+            else:
+                kinds = _type_name(spec.types) + (" or \"auto\"" if spec.auto else "")
+                if spec.choices:
+                    kinds = " / ".join("null" if c is None else f"`{c}`" for c in spec.choices)
+                default = "required" if spec.required else ("" if spec.default is None else f"`{spec.default!r}`")
+                rows.append(f"| `{path}` | {kinds} | {default} | {who} | {spec.doc} |")
+
+    walk("", schema, "")
+    return "\n".join(rows)
