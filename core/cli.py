@@ -81,6 +81,21 @@ def cmd_config_keys(argv: Sequence[str]) -> int:
 
 
 COMMANDS = {"run": cmd_run, "plugins": cmd_plugins, "demo": cmd_demo, "config-keys": cmd_config_keys}
+"""Sub-commands: name -> function taking the remaining arguments and returning an exit code.
+
+Sub-commands that live in their own modules register as ``"module:function"`` strings, imported
+only when used, so ``microspeed --help`` stays fast.
+"""
+
+
+def _command(name: str):
+    target = COMMANDS[name]
+    if isinstance(target, str):
+        import importlib
+
+        module, _, func = target.partition(":")
+        return getattr(importlib.import_module(module), func)
+    return target
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "  demo     train a small GPT on 2 local CPU processes\n"
               "  config-keys  print the ds_config keys the installed plugins accept (Markdown)")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return COMMANDS[argv[0]](argv[1:])
+    return _command(argv[0])(argv[1:])
 
 
 if __name__ == "__main__":
