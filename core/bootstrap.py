@@ -51,6 +51,7 @@ def initialize(
 
     pm = PluginManager()
     pm.load_all(disabled=_disabled_plugins(raw), extra=plugins)
+    pm.hook.microspeed_plugins_loaded(plugins=pm)
     cfg = parse(raw, merge_schema(pm.hook.microspeed_config_sections()))
     _check_ranks_agree(pm, cfg)
 

@@ -25,14 +25,17 @@ def cmd_plugins(argv: Sequence[str]) -> int:
     """List the plugins that load, with versions, and each hook's implementers in call order."""
     parser = argparse.ArgumentParser(prog="microspeed plugins")
     parser.add_argument("--disable", action="append", default=[], help="plugin name not to load")
+    parser.add_argument("--hooks", action="store_true", help="only the hooks and their implementers in call order")
     opts = parser.parse_args(argv)
     pm = PluginManager()
     pm.load_all(disabled=opts.disable)
-    print("plugins (registration order):")
-    for info in pm.infos.values():
-        print(f"  {info.name:24s} {info.version or '-':10s} {info.source}")
-        print(f"      hooks: {', '.join(h.removeprefix('microspeed_') for h in pm.hooks_of(info.name))}")
-    print("\nhooks (implementers in call order):")
+    if not opts.hooks:
+        print("plugins (registration order):")
+        for info in pm.infos.values():
+            print(f"  {info.name:24s} {info.version or '-':10s} {info.source}")
+            print(f"      hooks: {', '.join(h.removeprefix('microspeed_') for h in pm.hooks_of(info.name))}")
+        print()
+    print("hooks (implementers in call order):")
     for hook in all_hook_names():
         names = pm.implementers(hook)
         print(f"  {hook.removeprefix('microspeed_'):24s} {' -> '.join(names) if names else '(none)'}")
@@ -80,7 +83,15 @@ def cmd_config_keys(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "plugins": cmd_plugins, "demo": cmd_demo, "config-keys": cmd_config_keys}
+COMMANDS = {
+    "run": cmd_run,
+    "plugins": cmd_plugins,
+    "demo": cmd_demo,
+    "config-keys": cmd_config_keys,
+    "checkpoint": "microspeed.checkpoint_cli:main",
+    "trace": "microspeed.trace_cli:main",
+    "plot": "microspeed.plot:main",
+}
 """Sub-commands: name -> function taking the remaining arguments and returning an exit code.
 
 Sub-commands that live in their own modules register as ``"module:function"`` strings, imported
@@ -102,11 +113,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``microspeed`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: microspeed {run,plugins,demo,config-keys} ...\n"
+        print("usage: microspeed {run,plugins,demo,config-keys,checkpoint,trace,plot} ...\n"
               "  run      launch a training script on N processes (wraps torchrun)\n"
               "  plugins  list loaded plugins, their versions and hooks\n"
               "  demo     train a small GPT on 2 local CPU processes\n"
-              "  config-keys  print the ds_config keys the installed plugins accept (Markdown)")
+              "  config-keys  print the ds_config keys the installed plugins accept (Markdown)\n"
+              "  checkpoint   consolidate / import-deepspeed checkpoints\n"
+              "  trace        summary / export of hook-level traces\n"
+              "  plot         draw loss and lr curves from a csv_monitor folder")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return _command(argv[0])(argv[1:])
 

@@ -51,6 +51,14 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
 @hookspec
+def microspeed_plugins_loaded(plugins: Any) -> None:
+    """Every plugin of this engine is registered; ``plugins`` is the :class:`PluginManager`.
+
+    Fires first, before the config is parsed. Tracing attaches its hook-call monitor here.
+    """
+
+
+@hookspec
 def microspeed_config_sections() -> dict[str, Section]:
     """Name the ds_config sections (or top-level keys) this plugin owns, with their schema.
 
