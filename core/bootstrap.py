@@ -50,10 +50,15 @@ def initialize(
     comm.init_distributed(dist_init_required=dist_init_required)
 
     pm = PluginManager()
-    pm.load_all(disabled=_disabled_plugins(raw), extra=plugins)
-    pm.hook.microspeed_plugins_loaded(plugins=pm)
-    cfg = parse(raw, merge_schema(pm.hook.microspeed_config_sections()))
-    _check_ranks_agree(pm, cfg)
+    cfg: Config | None = None
+    error: Exception | None = None
+    try:  # an error on one rank must reach every rank, never leave the others in a collective
+        pm.load_all(disabled=_disabled_plugins(raw), extra=plugins)
+        pm.hook.microspeed_plugins_loaded(plugins=pm)
+        cfg = parse(raw, merge_schema(pm.hook.microspeed_config_sections()))
+    except (ConfigError, PluginError) as exc:
+        error = exc
+    _check_ranks_agree(pm, cfg, error)
 
     world_size = comm.get_world_size()
     topology = pm.hook.microspeed_make_topology(config=cfg, world_size=world_size, mpu=mpu)
@@ -88,9 +93,16 @@ def _disabled_plugins(raw: dict[str, Any]) -> list[str]:
     return disabled
 
 
-def _check_ranks_agree(pm: PluginManager, cfg: Config) -> None:
-    mine = {"plugins": pm.signature(), "config": cfg.digest()}
+def _check_ranks_agree(pm: PluginManager, cfg: Config | None, error: Exception | None) -> None:
+    mine = {"plugins": pm.signature(), "config": cfg.digest() if cfg is not None else None,
+            "error": None if error is None else f"{type(error).__name__}: {error}"}
     everyone = comm.all_gather_object(mine)
+    if error is not None:
+        raise error
+    failed = [(rank, theirs["error"]) for rank, theirs in enumerate(everyone) if theirs["error"]]
+    if failed:
+        raise PluginError("initialize() failed on other ranks: "
+                          + "; ".join(f"rank {rank}: {msg}" for rank, msg in failed))
     problems = []
     for rank, theirs in enumerate(everyone):
         if theirs["plugins"] != everyone[0]["plugins"]:

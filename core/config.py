@@ -144,13 +144,18 @@ def _validate_section(path: str, given: Mapping[str, Any], section: Section, pre
     return out
 
 
+def plugin_folder(dist: str) -> str:
+    """The folder under ``plugins/`` that holds a plugin distribution (``microspeed-sparse-attn`` → ``sparse_attn``)."""
+    return dist.removeprefix("microspeed-").replace("-", "_")
+
+
 def _unknown_key(path: str, key: str, section: Section) -> ConfigError:
     where = f"{path}.{key}" if path else key
     if not path and key in PLUGIN_SECTIONS:
         dist = PLUGIN_SECTIONS[key]
         return ConfigError(
             f"{where}: this section belongs to the plugin distribution {dist!r}, which is not "
-            f"installed (or is disabled). Install it (pip install ./plugins/{dist.removeprefix('microspeed-')}"
+            f"installed (or is disabled). Install it (pip install ./plugins/{plugin_folder(dist)}"
             f" or pip install {dist}), or remove the section."
         )
     candidates = list(section.fields)

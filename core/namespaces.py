@@ -15,6 +15,7 @@ import importlib.machinery
 import sys
 import types
 
+from microspeed.config import plugin_folder
 from microspeed.errors import MissingPluginError
 
 #: ``alias under microspeed`` -> ``(target package, distribution)``.
@@ -36,7 +37,7 @@ def resolve(alias: str) -> types.ModuleType:
         if exc.name and (target == exc.name or target.startswith(exc.name + ".")):
             raise MissingPluginError(
                 f"microspeed.{alias} needs the plugin distribution {dist!r}, which is not installed: "
-                f"pip install ./plugins/{dist.removeprefix('microspeed-').replace('-', '_')} (from a "
+                f"pip install ./plugins/{plugin_folder(dist)} (from a "
                 f"microspeed checkout) or pip install {dist}."
             ) from exc
         raise
@@ -62,29 +63,13 @@ class AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True, loader_state=mapped)
 
     def create_module(self, spec):  # noqa: D102 - importlib protocol
-        return _AliasModule(spec.name, importlib.import_module(spec.loader_state))
+        real = importlib.import_module(spec.loader_state)
+        spec.loader_state = (spec.loader_state, real.__spec__)
+        return real  # the plugin's own module object: patches and isinstance checks see one module
 
     def exec_module(self, module):  # noqa: D102 - importlib protocol
-        return None
-
-
-class _AliasModule(types.ModuleType):
-    """A module that forwards every attribute to the plugin's real module."""
-
-    def __init__(self, name: str, real: types.ModuleType) -> None:
-        super().__init__(name, real.__doc__)
-        object.__setattr__(self, "_real", real)
-        self.__path__ = list(getattr(real, "__path__", []))
-
-    def __getattr__(self, name: str):
-        real = object.__getattribute__(self, "_real")
-        try:
-            return getattr(real, name)
-        except AttributeError:
-            return importlib.import_module(f"{real.__name__}.{name}")
-
-    def __dir__(self):
-        return dir(object.__getattribute__(self, "_real"))
+        # importlib stamped the alias spec on the real module; give it back its own
+        module.__spec__ = module.__spec__.loader_state[1]
 
 
 def install() -> None:
