@@ -1,101 +1,769 @@
-"""Checkpoints in DeepSpeed's layout: ``<dir>/<tag>/...`` and ``<dir>/latest`` naming the newest tag.
+"""Checkpoints: DeepSpeed's layout and API; tensors sharded through ``torch.distributed.checkpoint``.
 
-Rank 0 writes the model (keyed by parameter name), optimizer, scheduler, counters, client state
-and every plugin's state; each rank writes its RNG states. ``latest`` is published atomically
-after every rank has finished, so an interrupted save never leaves it pointing at a partial tag.
+Layout (as DeepSpeed's, one folder per tag, ``latest`` naming the newest)::
+
+    <save_dir>/latest                  the newest complete tag; replaced atomically, last
+    <save_dir>/<tag>/manifest.msgpack  run metadata and every small value (msgpack)
+    <save_dir>/<tag>/.metadata         DCP's index of the tensors
+    <save_dir>/<tag>/__<rank>_0.distcp the tensors rank <rank> wrote
+
+Tensors are keyed by parameter name (FQN), never by rank or integer index:
+
+==========================  ======================================================================
+``model/<key>``             ``engine.module.state_dict()`` in the training dtype (a tied duplicate
+                            is stored once; the manifest lists it as an alias)
+``master/<fqn>``            fp32 master weights: optimizer parameters that are not the module's own
+                            (fp16/bf16), named through ``microspeed_optimizer_param_names``
+``optim/<fqn>/<name>``      optimizer state (``exp_avg``, ``exp_avg_sq``, ``step``, ...)
+``lr_scheduler/<path>``     tensors of the scheduler's state (rare)
+``plugins/<plugin>/<path>`` tensors of a plugin's checkpoint state
+``client/<path>``           tensors of ``client_state`` (rank 0's, as DeepSpeed keeps)
+==========================  ======================================================================
+
+The small rest — versions, ds_config, world size, counters, the module's key list, optimizer
+param groups (with FQNs), scheduler state, plugin list and each plugin's small state, client
+state and every rank's RNG states — is the manifest (:mod:`microspeed.checkpoint_manifest`).
+
+**Who writes what.** Every rank calls :func:`save` with the same state dict of full tensors;
+DCP's planner de-duplicates replicated tensors, so in pure data parallelism the ranks split the
+writing and each writes only the tensors it was assigned. A plugin that shards state (ZeRO,
+tensor parallel) contributes DTensors or rank-unique keys and DCP writes each shard once.
+
+**Safety.** Everything goes into ``<tag>.tmp-<nonce>``; after DCP finished on all ranks, rank 0
+writes the manifest, all ranks meet at a barrier, rank 0 renames the folder to ``<tag>`` and then
+replaces ``latest`` with ``os.replace``. A save interrupted anywhere (a rank killed) leaves
+``latest`` naming the previous tag. Unreadable, truncated or foreign files raise
+:class:`CheckpointError` naming the file.
+
+**Other topologies.** Tensors are full and named, so a checkpoint written by N ranks loads on M.
+The data loader continues from the same *global* sample count
+(:meth:`microspeed.builtin.dataloader.MicroBatchLoader.load_state_dict`). RNG states: rank ``r``
+restores what rank ``r`` saved when ``r < N``; a rank ``r >= N`` seeds Python, numpy and torch
+with a number derived from rank 0's saved torch state and ``r`` (deterministic, distinct per
+rank). With another gradient-accumulation count, ``micro_steps`` becomes ``global_steps * GAS``.
+
+**Other precisions.** Loading into an fp32 module prefers ``master/<fqn>`` (exact fp32 weights of
+an fp16/bf16 run); fp32 masters of an fp16/bf16 engine come from ``master/<fqn>`` when saved,
+else from ``model/<fqn>`` (an fp32 checkpoint), at full precision.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import os
 import random
+import secrets
+import shutil
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from microspeed import comm
+from microspeed.checkpoint_manifest import TensorRef, join, pack, split, tensor_refs, unpack
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
+__all__ = [
+    "LATEST",
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointWarning",
+    "TensorRef",
+    "get_fp32_state_dict",
+    "load",
+    "new_manifest",
+    "optimizer_param_names",
+    "read_latest",
+    "read_manifest",
+    "read_tensor_index",
+    "resolve_tag_dir",
+    "save",
+    "save_16bit_model",
+    "save_state_dict_file",
+    "write_checkpoint",
+]
+
+MANIFEST = "manifest.msgpack"
+"""Name of the manifest file inside a tag folder."""
+
+LATEST = "latest"
+"""Name of the file (in the save folder) that holds the newest complete tag."""
+
+FORMAT = "microspeed.checkpoint"
+"""The manifest's ``format`` field: what tells our manifest from any other msgpack file."""
+
+FORMAT_VERSION = 1
+"""The manifest layout version this code writes (and the newest it reads)."""
+_DCP_INDEX = ".metadata"
+_TMP = ".tmp-"
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be written or read as asked. ``path`` is the file or folder at fault."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class CheckpointWarning(UserWarning):
+    """Something was tolerated while loading (non-strict names, no ``latest``, a changed topology)."""
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+def _check_tag(tag: str) -> str:
+    bad = (not tag or tag in (".", "..", LATEST) or "/" in tag or os.sep in tag or _TMP in tag
+           or tag.startswith("."))
+    if bad:
+        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain folder name; use something like "
+                              f"'global_step100' (no '/', not 'latest', not starting with '.').")
+    return tag
+
+
+def read_latest(save_dir: str) -> str | None:
+    """The tag ``<save_dir>/latest`` names, or ``None`` when there is no such file."""
+    path = os.path.join(save_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        tag = fh.read().strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty; it should name a tag folder of {save_dir}.", path)
+    return tag
+
+
+def resolve_tag_dir(ckpt_dir: str, tag: str | None = None) -> str:
+    """The tag folder meant by ``ckpt_dir``: itself if it holds a manifest, else ``tag`` or ``latest``."""
+    if tag is not None:
+        return os.path.join(ckpt_dir, str(tag))
+    if os.path.isfile(os.path.join(ckpt_dir, MANIFEST)):
+        return ckpt_dir
+    latest = read_latest(ckpt_dir)
+    if latest is None:
+        raise CheckpointError(f"{ckpt_dir}: neither a checkpoint tag folder (no {MANIFEST}) nor a save folder "
+                              f"with a '{LATEST}' file; pass the tag folder or a tag.", ckpt_dir)
+    return os.path.join(ckpt_dir, latest)
+
+
+def read_manifest(tag_dir: str) -> dict[str, Any]:
+    """The manifest of the tag folder ``tag_dir``; :class:`CheckpointError` if unreadable or foreign."""
+    path = os.path.join(tag_dir, MANIFEST)
+    if not os.path.isfile(path):
+        hint = ""
+        if os.path.isdir(tag_dir) and any(n.endswith("_model_states.pt") for n in os.listdir(tag_dir)):
+            hint = (" It holds a DeepSpeed checkpoint: convert it with "
+                    "`microspeed checkpoint import-deepspeed DS_DIR OUT_DIR`.")
+        raise FileNotFoundError(f"load_checkpoint: {path} does not exist (tag {os.path.basename(tag_dir)!r} in "
+                                f"{os.path.dirname(tag_dir) or '.'}).{hint}")
+    try:
+        with open(path, "rb") as fh:
+            manifest = unpack(fh.read())
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable microspeed manifest (truncated or foreign file: "
+                              f"{type(exc).__name__}: {exc}).", path) from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a microspeed manifest (no format {FORMAT!r}).", path)
+    if manifest.get("version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {manifest['version']} is newer than this "
+                              f"microspeed reads ({FORMAT_VERSION}); upgrade microspeed.", path)
+    return manifest
+
+
+def read_tensor_index(tag_dir: str) -> Metadata:
+    """DCP's index of the tag folder, after checking every file it names exists and is long enough."""
+    path = os.path.join(tag_dir, _DCP_INDEX)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: {tag_dir} holds no complete tensor data.", path)
+    try:
+        metadata = dcp.FileSystemReader(tag_dir).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{path} is not a readable torch.distributed.checkpoint index (truncated or "
+                              f"foreign file: {type(exc).__name__}: {exc}).", path) from exc
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index.", path)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in sorted(needed.items()):
+        full = os.path.join(tag_dir, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"{full} is missing (named by {path}).", full)
+        size = os.path.getsize(full)
+        if size < end:
+            raise CheckpointError(f"{full} is truncated: {size} bytes, the index needs {end}.", full)
+    return metadata
+
+
+def _find_unreadable_file(tag_dir: str, metadata: Metadata) -> str | None:
+    """After DCP failed to read: the first data file with an item ``torch.load`` cannot read."""
+    for info in sorted((metadata.storage_data or {}).values(), key=lambda i: (i.relative_path, i.offset)):
+        full = os.path.join(tag_dir, info.relative_path)
+        try:
+            with open(full, "rb") as fh:
+                fh.seek(info.offset)
+                torch.load(io.BytesIO(fh.read(info.length)), weights_only=True)
+        except Exception:
+            return full
+    return None
+
+
+# -------------------------------------------------------------------------------- tensor I/O
+
+
+class _Reader:
+    """Collects ``key -> target tensors`` for one ``dcp.load`` call, then fills the targets."""
+
+    def __init__(self, tag_dir: str, metadata: Metadata) -> None:
+        self.tag_dir, self.metadata = tag_dir, metadata
+        self.targets: dict[str, list[torch.Tensor]] = {}
+        self.mismatches: list[str] = []
+
+    def has(self, key: str) -> bool:
+        return isinstance(self.metadata.state_dict_metadata.get(key), TensorStorageMetadata)
+
+    def meta(self, key: str) -> TensorStorageMetadata:
+        return self.metadata.state_dict_metadata[key]  # type: ignore[return-value]
+
+    def into(self, key: str, target: torch.Tensor, name: str) -> None:
+        """Read ``key`` into ``target`` (cast to its dtype); shapes must agree."""
+        saved = tuple(self.meta(key).size)
+        if saved != tuple(target.shape):
+            self.mismatches.append(f"{name}: checkpoint {list(saved)} vs {list(target.shape)}")
+            return
+        self.targets.setdefault(key, []).append(target)
+
+    def fresh(self, key: str) -> torch.Tensor:
+        """A new CPU tensor that will hold ``key`` as saved (dtype and shape)."""
+        tensor = self._empty(key)
+        self.targets.setdefault(key, []).insert(0, tensor)
+        return tensor
+
+    def _empty(self, key: str) -> torch.Tensor:
+        meta = self.meta(key)
+        return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+
+    def run(self, no_dist: bool) -> None:
+        if self.mismatches:
+            raise CheckpointError(f"{self.tag_dir}: shapes differ from the checkpoint's: "
+                                  + "; ".join(self.mismatches), self.tag_dir)
+        plan: dict[str, torch.Tensor] = {}
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, targets in self.targets.items():
+            first = targets[0]
+            if len(targets) == 1 and first.dtype == self.meta(key).properties.dtype:
+                plan[key] = first
+            else:  # read once at saved precision, then copy into each target (casting)
+                buf = first if first.dtype == self.meta(key).properties.dtype else self._empty(key)
+                plan[key] = buf
+                copies.extend((t, buf) for t in targets if t is not buf)
+        if not plan:
+            return
+        try:
+            with _quiet_dcp():
+                dcp.load(plan, storage_reader=dcp.FileSystemReader(self.tag_dir), no_dist=no_dist)
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+            bad = _find_unreadable_file(self.tag_dir, self.metadata)
+            where = bad or self.tag_dir
+            raise CheckpointError(f"{where}: reading checkpoint tensors failed (truncated or foreign file?): "
+                                  f"{type(exc).__name__}: {_short(exc)}", where) from exc
+        with torch.no_grad():
+            for target, buf in copies:
+                target.copy_(buf)
+
+
+def _short(exc: BaseException, limit: int = 800) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+@contextlib.contextmanager
+def _quiet_dcp() -> Iterator[None]:
+    """Silence DCP's "assuming the intent is to save in a single process" (we chose no_dist on purpose)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or comm.get_world_size() == 1
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    tmp = f"{path}{_TMP}{secrets.token_hex(4)}"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _publish(save_dir: str, tag: str, tmp: str, save_latest: bool) -> None:
+    """Rank 0, after every rank finished: ``tmp`` becomes ``<tag>``, then ``latest`` names it."""
+    final = os.path.join(save_dir, tag)
+    old = None
+    if os.path.exists(final):
+        old = f"{final}.old{_TMP}{secrets.token_hex(4)}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(save_dir)
+    if save_latest:
+        _write_bytes(os.path.join(save_dir, LATEST), tag.encode())
+        _fsync_dir(save_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    for name in os.listdir(save_dir):  # leftovers of earlier interrupted saves of this tag
+        if name.startswith(f"{tag}{_TMP}"):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+
+
+def write_checkpoint(save_dir: str, tag: str, tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
+                     save_latest: bool = True) -> str:
+    """Write a checkpoint from one process, without a process group (converters use this).
+
+    ``tensors`` are the DCP keys (``model/...``, ``optim/...``); ``manifest`` as :func:`new_manifest`
+    makes it. Returns the tag folder. Same safety as :func:`save`.
+    """
+    tag = _check_tag(str(tag))
+    os.makedirs(save_dir, exist_ok=True)
+    tmp = os.path.join(save_dir, f"{tag}{_TMP}{secrets.token_hex(6)}")
+    os.makedirs(tmp)
+    with _quiet_dcp():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+    _write_bytes(os.path.join(tmp, MANIFEST), pack(manifest))
+    _publish(save_dir, tag, tmp, save_latest)
+    return os.path.join(save_dir, tag)
+
+
+def new_manifest(tag: str, world_size: int, config: dict[str, Any], counters: dict[str, int],
+                 gradient_accumulation_steps: int) -> dict[str, Any]:
+    """A manifest skeleton with versions and counters; callers fill the other sections."""
+    from microspeed import __version__
+
+    return {
+        "format": FORMAT, "version": FORMAT_VERSION, "microspeed_version": __version__,
+        "torch_version": torch.__version__, "tag": tag, "time": time.time(), "world_size": world_size,
+        "config": config, "counters": dict(counters), "gradient_accumulation_steps": gradient_accumulation_steps,
+        "plugins": [], "model": {"keys": [], "aliases": {}, "extra": {}}, "optimizer": None,
+        "lr_scheduler": None, "plugin_states": {}, "plugin_states_by_rank": None, "client_state": {}, "rng": [],
+    }
+
+
+# ------------------------------------------------------------------------------------- names
+
+
+def optimizer_param_names(engine: Any) -> dict[int, str]:
+    """``{id(tensor): fqn}`` for the module's parameters and what plugins name (fp32 masters)."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    for extra in engine.hook.microspeed_optimizer_param_names(engine=engine):
+        names.update(extra or {})
+    return names
+
+
+def _optimizer_fqns(optimizer: Any, names: dict[int, str]) -> list[str]:
+    fqns = []
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            fqns.append(names.get(id(p), f"_unnamed.group{g}.{i}"))
+    unnamed = [f for f in fqns if f.startswith("_unnamed.")]
+    if unnamed:
+        warnings.warn(f"checkpoint: {len(unnamed)} optimizer parameter(s) are not parameters of engine.module and "
+                      f"no plugin named them; their state is keyed by position ({', '.join(unnamed[:5])}) and "
+                      f"only reloads into the same optimizer layout.", CheckpointWarning, stacklevel=3)
+    return fqns
+
+
+def _identity(t: torch.Tensor) -> tuple | None:
+    try:
+        if t.numel() == 0 or type(t) is not torch.Tensor:
+            return None
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    except Exception:
+        return None
+
+
+def _aliases(sd: dict[str, Any]) -> dict[str, str]:
+    """Keys of ``sd`` whose tensor is the very same as an earlier key's (tied weights)."""
+    seen: dict[tuple, str] = {}
+    aliases = {}
+    for k, t in sd.items():
+        ident = _identity(t) if isinstance(t, torch.Tensor) else None
+        if ident is None:
+            continue
+        if ident in seen:
+            aliases[k] = seen[ident]
+        else:
+            seen[ident] = k
+    return aliases
+
+
+# ---------------------------------------------------------------------------------------- RNG
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state().numpy().tobytes()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, keys.tobytes(), int(pos), int(has_gauss), float(cached))
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in state["cuda"]])
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32).copy(), pos, has_gauss, cached))
 
 
-def save(engine: Any, save_dir: str, tag: str | None, client_state: dict, save_latest: bool) -> bool:
-    """Write a checkpoint of ``engine`` (every rank calls this)."""
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    path = os.path.join(save_dir, tag)
-    rank = comm.get_rank()
-    os.makedirs(path, exist_ok=True)
+def _restore_rng(saved: list[dict[str, Any]], rank: int) -> None:
+    if not saved:
+        return
+    if rank < len(saved):
+        _set_rng_state(saved[rank])
+        return
+    digest = hashlib.sha256(saved[0]["torch"] + rank.to_bytes(4, "little")).digest()
+    seed = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+# --------------------------------------------------------------------------------------- save
+
+
+def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+         save_latest: bool = True) -> bool:
+    """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` (every rank calls this); returns ``True``."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
+    tensors: dict[str, torch.Tensor] = {}
+
+    module_sd = engine.module.state_dict()
+    aliases = _aliases(module_sd)
+    extra = {}
+    for k, v in module_sd.items():
+        if k in aliases:
+            continue
+        if isinstance(v, torch.Tensor):
+            tensors[f"model/{k}"] = v.detach()
+        else:  # get_extra_state() values
+            extra[k] = split(v, f"model_extra/{k}", tensors)
+    optimizer_part = _save_optimizer(engine, tensors) if engine.optimizer is not None else None
+    scheduler_part = None
+    if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
+        scheduler_part = split(engine.lr_scheduler.state_dict(), "lr_scheduler", tensors)
     plugin_states: dict[str, Any] = {}
     for state in engine.hook.microspeed_checkpoint_state(engine=engine):
         plugin_states.update(state or {})
+    plugins_part = {name: split(st, f"plugins/{name}", tensors) for name, st in plugin_states.items()}
+    client_part = split(dict(client_state or {}), "client", tensors if rank == 0 else {})
+
+    digest = hashlib.sha256(pack(plugins_part)).hexdigest()
+    everyone = comm.all_gather_object({"tag": tag, "nonce": secrets.token_hex(6), "rng": _rng_state(),
+                                       "plugins": digest})
+    tags = sorted({e["tag"] for e in everyone})
+    if len(tags) > 1:
+        raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
+                              f"on every rank.")
+    by_rank = None
+    if len({e["plugins"] for e in everyone}) > 1:
+        by_rank = comm.all_gather_object(plugins_part)
+    tmp = os.path.join(save_dir, f"{tag}{_TMP}{everyone[0]['nonce']}")
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        with _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=_no_dist())
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"save_checkpoint: writing tensors into {tmp} failed: {type(exc).__name__}: "
+                              f"{_short(exc)}", tmp) from exc
     if rank == 0:
-        blob = {
-            "module": engine.module.state_dict(),
-            "optimizer": engine.optimizer.state_dict() if engine.optimizer is not None else None,
-            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-            "counters": {k: getattr(engine, k) for k in ("global_steps", "global_samples", "micro_steps",
-                                                          "skipped_steps")},
-            "plugins": plugin_states,
-            "client_state": client_state,
-            "ds_config": engine.config.to_dict(),
-        }
-        _atomic_save(blob, os.path.join(path, MODEL_FILE))
-    _atomic_save(_rng_state(), os.path.join(path, f"rng_rank{rank}.pt"))
+        manifest = new_manifest(tag, world, engine.config.to_dict(), {k: getattr(engine, k) for k in _COUNTERS},
+                                engine.gradient_accumulation_steps())
+        manifest.update({
+            "topology": {"data_parallel_size": engine.topology.data_parallel_size,
+                         "model_parallel_size": engine.topology.model_parallel_size},
+            "plugins": [[i.name, i.version] for i in engine.plugins.infos.values()],
+            "model": {"keys": list(module_sd), "aliases": aliases, "extra": extra},
+            "optimizer": optimizer_part, "lr_scheduler": scheduler_part, "plugin_states": plugins_part,
+            "plugin_states_by_rank": by_rank, "client_state": client_part, "rng": [e["rng"] for e in everyone],
+        })
+        _write_bytes(os.path.join(tmp, MANIFEST), pack(manifest))
     comm.barrier()
-    if rank == 0 and save_latest:
-        tmp = os.path.join(save_dir, "latest.tmp")
-        with open(tmp, "w") as fh:
-            fh.write(tag)
-        os.replace(tmp, os.path.join(save_dir, "latest"))
+    if rank == 0:
+        _publish(save_dir, tag, tmp, save_latest)
     comm.barrier()
     return True
 
 
-def _atomic_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
+def _save_optimizer(engine: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    optimizer = engine.optimizer
+    sd = optimizer.state_dict()
+    fqns = _optimizer_fqns(optimizer, optimizer_param_names(engine))
+    groups = []
+    for g, group in enumerate(sd["param_groups"]):
+        hyper = split({k: v for k, v in group.items() if k != "params"}, f"optim_groups/{g}", tensors)
+        groups.append({**hyper, "params": [fqns[i] for i in group["params"]]})
+    state = {fqns[i]: split(st, f"optim/{fqns[i]}", tensors) for i, st in sd["state"].items()}
+    model_ids = {id(p) for p in engine.module.parameters()}
+    masters = []
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    for p, fqn in zip(flat, fqns, strict=True):
+        if id(p) not in model_ids:
+            tensors[f"master/{fqn}"] = p.detach()
+            masters.append(fqn)
+    return {"class": type(optimizer).__name__, "param_groups": groups, "state": state, "masters": masters}
+
+
+# --------------------------------------------------------------------------------------- load
+
+
+def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+         load_module_only: bool = False) -> tuple[str | None, dict]:
+    """Restore ``engine`` from ``load_dir`` (``tag``, or the one ``latest`` names); every rank calls this.
+
+    Returns ``(tag_dir, client_state)``, or ``(None, {})`` with a warning when ``load_dir`` has no
+    ``latest`` and no tag was given. ``load_module_strict``: the module's parameter names must
+    equal the checkpoint's (else :class:`CheckpointError` listing the missing and unexpected
+    ones); when false, the names both have are loaded and the others listed in a warning.
+    ``load_module_only``: only the weights (fp32 masters included); no optimizer, scheduler,
+    counters, plugin state or RNG.
+    """
+    if tag is None:
+        tag = read_latest(load_dir)
+        if tag is None:
+            warnings.warn(f"load_checkpoint: {os.path.join(load_dir, LATEST)} not found; nothing was loaded. "
+                          f"Pass tag=... to load a specific checkpoint.", CheckpointWarning, stacklevel=3)
+            return None, {}
+    tag_dir = os.path.join(load_dir, str(tag))
+    manifest = read_manifest(tag_dir)
+    reader = _Reader(tag_dir, read_tensor_index(tag_dir))
+    rank = comm.get_rank()
+    after: list[Callable[[], None]] = []
+
+    model_params = _load_module(engine, manifest, reader, tag_dir, load_module_strict, after)
+    load_opt = load_optimizer_states and not load_module_only and manifest.get("optimizer") is not None
+    if engine.optimizer is not None:
+        _load_optimizer(engine, manifest, reader, tag_dir, load_opt, load_module_strict, model_params, after)
+    if (load_lr_scheduler_states and not load_module_only and engine.lr_scheduler is not None
+            and manifest.get("lr_scheduler") is not None):
+        tree = _fresh_refs(manifest["lr_scheduler"], reader)
+        after.append(lambda: engine.lr_scheduler.load_state_dict(tree()))
+    plugin_tree = None
+    if not load_module_only:
+        by_rank = manifest.get("plugin_states_by_rank")
+        plugin_tree = _fresh_refs(by_rank[min(rank, len(by_rank) - 1)] if by_rank else
+                                  manifest.get("plugin_states", {}), reader)
+    client_tree = _fresh_refs(manifest.get("client_state", {}), reader)
+
+    reader.run(no_dist=_no_dist())
+    for step in after:
+        step()
+    if not load_module_only:
+        _load_counters(engine, manifest)
+        engine.hook.microspeed_load_checkpoint_state(engine=engine, states=plugin_tree())
+        _restore_rng(manifest.get("rng") or [], rank)
+    return tag_dir, client_tree()
+
+
+def _fresh_refs(tree: Any, reader: _Reader) -> Callable[[], Any]:
+    """Allocate a tensor for each :class:`TensorRef` of ``tree``; returns the joiner to call after reading."""
+    loaded = {ref.key: reader.fresh(ref.key) for ref in tensor_refs(tree) if reader.has(ref.key)}
+    missing = [ref.key for ref in tensor_refs(tree) if ref.key not in loaded]
+    if missing:
+        raise CheckpointError(f"{reader.tag_dir}: the manifest names tensors the index lacks: {missing[:10]}",
+                              reader.tag_dir)
+    return lambda: join(tree, loaded)
+
+
+def _load_module(engine: Any, manifest: dict, reader: _Reader, tag_dir: str, strict: bool,
+                 after: list[Callable[[], None]]) -> dict[str, torch.Tensor]:
+    """Plan reading the module's tensors; return its parameters by name (masters refresh from them)."""
+    model = manifest["model"]
+    saved_aliases: dict[str, str] = model.get("aliases", {})
+    saved = set(model["keys"])
+    current = engine.module.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in model["keys"] if k not in current]
+    if missing or unexpected:
+        msg = (f"load_checkpoint: {tag_dir}: the module's state names differ from the checkpoint's. "
+               f"Missing in the checkpoint ({len(missing)}): {missing}. Unexpected, only in the checkpoint "
+               f"({len(unexpected)}): {unexpected}.")
+        if strict:
+            raise CheckpointError(msg + " Pass load_module_strict=False to load the names both have.", tag_dir)
+        warnings.warn(msg, CheckpointWarning, stacklevel=4)
+    current_aliases = _aliases(current)
+    extra = {}
+    for k, t in current.items():
+        if k not in saved or k in current_aliases:
+            continue
+        if k in model.get("extra", {}):
+            extra[k] = _fresh_refs(model["extra"][k], reader)
+            continue
+        src = saved_aliases.get(k, k)
+        key = f"master/{src}" if t.dtype == torch.float32 and reader.has(f"master/{src}") else f"model/{src}"
+        reader.into(key, t, k)
+    if extra:
+        after.append(lambda: engine.module.load_state_dict({k: f() for k, f in extra.items()}, strict=False))
+    return dict(engine.module.named_parameters())
+
+
+def _load_optimizer(engine: Any, manifest: dict, reader: _Reader, tag_dir: str, load_opt: bool, strict: bool,
+                    model_params: dict[str, torch.Tensor], after: list[Callable[[], None]]) -> None:
+    optimizer = engine.optimizer
+    fqns = _optimizer_fqns(optimizer, optimizer_param_names(engine))
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    model_ids = {id(p) for p in engine.module.parameters()}
+    saved_keys = set(manifest["model"]["keys"])
+    for p, fqn in zip(flat, fqns, strict=True):  # fp32 masters: the best weights the checkpoint has
+        if id(p) in model_ids:
+            continue
+        if reader.has(f"master/{fqn}"):
+            reader.into(f"master/{fqn}", p.data, f"master {fqn}")
+        elif fqn in saved_keys:
+            src = manifest["model"].get("aliases", {}).get(fqn, fqn)
+            reader.into(f"model/{src}", p.data, f"master {fqn}")
+    if not load_opt:
+        return
+    saved = manifest["optimizer"]
+    current = optimizer.state_dict()
+    if len(saved["param_groups"]) != len(current["param_groups"]):
+        raise CheckpointError(f"load_checkpoint: {tag_dir}: the optimizer has {len(current['param_groups'])} "
+                              f"param groups, the checkpoint {len(saved['param_groups'])}. Build the optimizer "
+                              f"with the same groups, or pass load_optimizer_states=False.", tag_dir)
+    problems = []
+    for g, (cur, old) in enumerate(zip(current["param_groups"], saved["param_groups"], strict=True)):
+        mine = [fqns[i] for i in cur["params"]]
+        if set(mine) != set(old["params"]):
+            problems.append(f"group {g}: missing in the checkpoint {sorted(set(mine) - set(old['params']))}, "
+                            f"unexpected {sorted(set(old['params']) - set(mine))}")
+    if problems:
+        msg = f"load_checkpoint: {tag_dir}: optimizer parameters differ from the checkpoint's: " + "; ".join(problems)
+        if strict:
+            raise CheckpointError(msg + ". Pass load_module_strict=False to load the state of the names both have, "
+                                  "or load_optimizer_states=False.", tag_dir)
+        warnings.warn(msg, CheckpointWarning, stacklevel=4)
+    if saved.get("class") not in (None, type(optimizer).__name__):
+        warnings.warn(f"load_checkpoint: {tag_dir}: the optimizer state was saved from {saved['class']}, "
+                      f"loading into {type(optimizer).__name__}.", CheckpointWarning, stacklevel=4)
+    state_trees = {i: _fresh_refs(saved["state"][fqn], reader)
+                   for i, fqn in enumerate(fqns) if fqn in saved["state"]}
+    group_trees = [_fresh_refs({k: v for k, v in old.items() if k != "params"}, reader)
+                   for old in saved["param_groups"]]
+
+    def apply() -> None:
+        groups = [{**cur, **hyper(), "params": cur["params"]}
+                  for cur, hyper in zip(current["param_groups"], group_trees, strict=True)]
+        optimizer.load_state_dict({"state": {i: tree() for i, tree in state_trees.items()}, "param_groups": groups})
+
+    after.append(apply)
+
+
+def _load_counters(engine: Any, manifest: dict) -> None:
+    counters = manifest.get("counters", {})
+    for key in _COUNTERS:
+        if key in counters:
+            setattr(engine, key, int(counters[key]))
+    saved_gas = manifest.get("gradient_accumulation_steps")
+    gas = engine.gradient_accumulation_steps()
+    if saved_gas is not None and saved_gas != gas and "global_steps" in counters:
+        if counters.get("micro_steps", 0) % saved_gas:
+            warnings.warn("load_checkpoint: the checkpoint was saved inside a gradient-accumulation window; its "
+                          "partial gradients were not saved and the window restarts.", CheckpointWarning,
+                          stacklevel=4)
+        engine.micro_steps = engine.global_steps * gas
+
+
+# ------------------------------------------------------------------------- consolidated views
+
+
+def get_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The module's full state dict with floating-point tensors in fp32, read without a process group.
+
+    ``ckpt_dir`` is a save folder (``tag`` or ``latest`` picks the tag) or a tag folder. fp32
+    master weights are preferred where the run was fp16/bf16; tied duplicates are the same tensor
+    object, as in ``module.state_dict()``. Keys come in the module's order.
+    """
+    tag_dir = resolve_tag_dir(ckpt_dir, tag)
+    manifest = read_manifest(tag_dir)
+    reader = _Reader(tag_dir, read_tensor_index(tag_dir))
+    model = manifest["model"]
+    aliases = model.get("aliases", {})
+    loaded: dict[str, torch.Tensor] = {}
+    for k in model["keys"]:
+        if k in aliases or k in model.get("extra", {}):
+            continue
+        key = f"master/{k}" if reader.has(f"master/{k}") else f"model/{k}"
+        loaded[k] = reader.fresh(key)
+    reader.run(no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for k in model["keys"]:
+        if k in model.get("extra", {}):
+            continue
+        t = loaded[aliases.get(k, k)]
+        if t.is_floating_point() and t.dtype != torch.float32:
+            t = loaded[aliases.get(k, k)] = t.float()
+        out[k] = t
+    return out
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    """Rank 0 writes the module's state dict in the training dtype to ``save_dir/save_filename``.
+
+    As DeepSpeed's ``save_16bit_model``: a plain ``torch.save`` file (``.safetensors`` when the
+    name ends so and the package is installed). Every rank calls it; returns ``True``.
+    """
+    if comm.get_rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        state = {k: v.detach().cpu() for k, v in engine.module.state_dict().items() if isinstance(v, torch.Tensor)}
+        path = os.path.join(save_dir, save_filename)
+        save_state_dict_file(state, path)
+    comm.barrier()
+    return True
+
+
+def save_state_dict_file(state: dict[str, torch.Tensor], path: str) -> None:
+    """Write ``state`` to ``path`` atomically: safetensors for ``*.safetensors``, else ``torch.save``."""
+    tmp = f"{path}{_TMP}{secrets.token_hex(4)}"
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors.torch import save_file
+        except ImportError as exc:
+            raise CheckpointError(f"{path}: writing .safetensors needs the 'safetensors' package "
+                                  f"(pip install safetensors), or use a .pt file name.", path) from exc
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, tmp)
+    else:
+        torch.save(state, tmp)
     os.replace(tmp, path)
 
-
-def load(engine: Any, load_dir: str, tag: str | None, strict: bool, load_optimizer_states: bool,
-         load_lr_scheduler_states: bool) -> tuple[str | None, dict]:
-    """Restore ``engine`` from ``load_dir`` (``tag`` or the one ``latest`` names)."""
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return None, {}
-        with open(latest) as fh:
-            tag = fh.read().strip()
-    path = os.path.join(load_dir, str(tag))
-    model_file = os.path.join(path, MODEL_FILE)
-    if not os.path.isfile(model_file):
-        raise FileNotFoundError(f"load_checkpoint: {model_file} does not exist (tag {tag!r} in {load_dir}).")
-    try:
-        blob = torch.load(model_file, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise ValueError(f"load_checkpoint: {model_file} is not a readable checkpoint: {exc}") from exc
-    engine.module.load_state_dict(blob["module"], strict=strict)
-    if load_optimizer_states and blob["optimizer"] is not None and engine.optimizer is not None:
-        engine.optimizer.load_state_dict(blob["optimizer"])
-    if load_lr_scheduler_states and blob["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-        engine.lr_scheduler.load_state_dict(blob["lr_scheduler"])
-    for key, value in blob["counters"].items():
-        setattr(engine, key, value)
-    engine.hook.microspeed_load_checkpoint_state(engine=engine, states=blob["plugins"])
-    rng_file = os.path.join(path, f"rng_rank{comm.get_rank()}.pt")
-    if os.path.isfile(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
-    return path, blob["client_state"]

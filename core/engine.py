@@ -66,6 +66,7 @@ class Engine(torch.nn.Module):
         self._plugin_state: dict[str, Any] = {}
         self._last_outcome = StepOutcome(applied=False)
         self._inside_no_sync = False
+        self._params: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None
 
     # -- plugin state --------------------------------------------------------------------
 
@@ -174,7 +175,14 @@ class Engine(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's and the optimizer's gradients."""
-        self.module.zero_grad(set_to_none=set_to_none)
+        if self._params is None or self._params[0] is not self.module:
+            self._params = (self.module, list(self.module.parameters()))
+        for p in self._params[1]:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -203,7 +211,8 @@ class Engine(torch.nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last optimizer step."""
-        return self._last_outcome.grad_norm
+        norm = self._last_outcome.grad_norm
+        return float(norm) if norm is not None else None
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step was applied (``False`` after an fp16 overflow)."""
@@ -224,21 +233,35 @@ class Engine(torch.nn.Module):
                 return getattr(module, name)
             raise
 
-    # -- checkpoints ---------------------------------------------------------------------
+    # -- checkpoints (the work is in microspeed.checkpoint) ---------------------------------
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
-        """Save model, optimizer, scheduler, counters and plugin state under ``save_dir/tag``."""
+        """Save model, optimizer, scheduler, counters, plugin state and RNG under ``save_dir/tag``.
+
+        Every rank calls it. ``tag`` defaults to ``global_step<N>``; ``save_dir/latest`` names the
+        tag once every rank has finished (``save_latest``). Tensors are sharded across ranks through
+        ``torch.distributed.checkpoint``; see :mod:`microspeed.checkpoint`.
+        """
         from microspeed import checkpoint
 
-        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict]:
-        """Load a checkpoint written by :meth:`save_checkpoint`; return ``(path, client_state)``."""
+        """Load a checkpoint written by :meth:`save_checkpoint` (any world size); return ``(path, client_state)``.
+
+        ``(None, {})`` with a warning when ``load_dir`` has no ``latest`` and no ``tag`` is given.
+        """
         from microspeed import checkpoint
 
-        return checkpoint.load(self, load_dir, tag=tag, strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states and not load_module_only,
-                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+        return checkpoint.load(self, load_dir, tag=tag, load_module_strict=load_module_strict,
+                               load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Rank 0 writes the module's state dict, in the training dtype, to ``save_dir/save_filename``."""
+        from microspeed import checkpoint
+
+        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename)

@@ -72,9 +72,10 @@ def microspeed_config_sections() -> dict[str, Section]:
 def microspeed_configure(config: Config, world_size: int) -> None:
     """Read the validated config; decide whether this plugin is active.
 
-    Fires once per engine, after validation and before the topology is made. ``config`` is a
+    Fires once per engine, after validation and after the topology is made (so the batch triad
+    is resolved against its data-parallel size). ``config`` is a
     :class:`microspeed.config.Config`; a plugin may raise :class:`microspeed.ConfigError` for a
-    value that only it can judge. The batch triad is already resolved.
+    value that only it can judge.
     """
 
 
@@ -260,12 +261,34 @@ def microspeed_after_global_step(engine: Engine) -> None:
 
 @hookspec
 def microspeed_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
-    """Collected: this plugin's state to save in a checkpoint, ``{plugin_name: state}``."""
+    """Collected: this plugin's state to save in a checkpoint, ``{plugin_name: state}``.
+
+    ``state`` is a tree of dicts, lists and tuples. Its tensors are written through
+    ``torch.distributed.checkpoint`` under ``plugins/<plugin_name>/<path>`` (key them by
+    parameter name, so the checkpoint reloads under another topology); its small Python values
+    go into the msgpack manifest. The state is taken to be the same on every rank (tensors are
+    de-duplicated across ranks); see :mod:`microspeed.checkpoint`.
+    """
 
 
 @hookspec
 def microspeed_load_checkpoint_state(engine: Engine, states: dict[str, Any]) -> None:
-    """Restore this plugin's state from ``states`` (the dict of every plugin's saved state)."""
+    """Restore this plugin's state from ``states`` (the dict of every plugin's saved state).
+
+    Fires after the module, the optimizer and the scheduler were restored; not with
+    ``load_module_only=True``.
+    """
+
+
+@hookspec
+def microspeed_optimizer_param_names(engine: Engine) -> dict[int, str] | None:
+    """Collected: ``{id(tensor): fqn}`` for optimizer parameters that are not ``engine.module``'s own.
+
+    A plugin that swaps other tensors into the optimizer's param groups (fp32 master copies,
+    say) names each by the model parameter it stands for, so that the optimizer state and the
+    master weights are saved keyed by parameter name and reload under another precision or
+    topology.
+    """
 
 
 # ------------------------------------------------------------------------------------- any
@@ -277,7 +300,11 @@ def microspeed_on_exception(engine: Engine | None, exc: BaseException, phase: st
 
 
 class StepOutcome:
-    """What an optimizer step did: whether it was applied, and the global gradient norm."""
+    """What an optimizer step did: whether it was applied, and the global gradient norm.
+
+    ``grad_norm`` may be a 0-d tensor (read it lazily, so that a GPU step needs no host sync) or
+    a float, or ``None`` when it was not measured.
+    """
 
     __slots__ = ("applied", "grad_norm")
 

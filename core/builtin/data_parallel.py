@@ -27,16 +27,25 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Bucket:
-    """A group of same-dtype gradient tensors reduced as one flat buffer."""
+    """A group of same-dtype gradient tensors reduced as one flat buffer.
 
-    __slots__ = ("tensors", "index", "ready", "work", "flat")
+    The flat buffer and its per-tensor views are allocated once, when the bucket is built, and
+    reused every step.
+    """
 
-    def __init__(self, index: int) -> None:
+    __slots__ = ("tensors", "index", "ready", "work", "flat", "views")
+
+    def __init__(self, index: int, tensors: list[torch.Tensor]) -> None:
         self.index = index
-        self.tensors: list[torch.Tensor] = []  # parameters (overlap mode) or gradient buffers
+        self.tensors = tensors  # parameters (overlap mode) or gradient buffers
         self.ready = 0
         self.work: Any = None
-        self.flat: torch.Tensor | None = None
+        self.flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for t in tensors:
+            self.views.append(self.flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class Reducer:
@@ -48,19 +57,24 @@ class Reducer:
         self.prescale, self.predivide, self.comm_dtype = prescale, predivide, comm_dtype
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}
+        self.built_for: list[int] = []
 
     def build(self, tensors: list[torch.Tensor]) -> None:
         """Split ``tensors`` (in backward order) into buckets of at most ``bucket_size`` elements."""
-        self.buckets, self.bucket_of = [], {}
-        current: Bucket | None = None
+        ids = [id(t) for t in tensors]
+        if ids == self.built_for:
+            return
+        groups: list[list[torch.Tensor]] = []
         size = 0
         for t in tensors:
-            if current is None or size + t.numel() > self.bucket_size or current.tensors[0].dtype != t.dtype:
-                current, size = Bucket(len(self.buckets)), 0
-                self.buckets.append(current)
-            current.tensors.append(t)
-            self.bucket_of[id(t)] = current
+            if not groups or size + t.numel() > self.bucket_size or groups[-1][0].dtype != t.dtype:
+                groups.append([])
+                size = 0
+            groups[-1].append(t)
             size += t.numel()
+        self.buckets = [Bucket(i, g) for i, g in enumerate(groups)]
+        self.bucket_of = {id(t): b for b in self.buckets for t in b.tensors}
+        self.built_for = ids
 
     def _pre(self, flat: torch.Tensor) -> torch.Tensor:
         wire = flat.to(self.comm_dtype) if self.comm_dtype is not None and flat.dtype != self.comm_dtype else flat
@@ -77,25 +91,23 @@ class Reducer:
             flat.copy_(wire)
 
     def launch(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
-        """Flatten ``grads`` (zeros for ``None``) and start the bucket's asynchronous all-reduce."""
-        parts = [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, bucket.tensors, strict=True)]
-        flat = torch.cat([p.reshape(-1) for p in parts])
-        wire = self._pre(flat)
-        bucket.flat = flat
+        """Copy ``grads`` (zeros for ``None``) into the bucket and start its asynchronous all-reduce."""
+        present = [(v, g) for v, g in zip(bucket.views, grads, strict=True) if g is not None]
+        if len(present) != len(bucket.views):
+            bucket.flat.zero_()
+        if present:
+            torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+        wire = self._pre(bucket.flat)
         bucket.work = (comm.all_reduce(wire, group=self.group, async_op=True), wire)
 
     def finish(self, bucket: Bucket) -> list[torch.Tensor]:
-        """Wait for the bucket, scale, and return the reduced gradients shaped like its tensors."""
+        """Wait for the bucket, scale, and return the reduced gradients (views of its buffer)."""
         work, wire = bucket.work
         if work is not None:
             work.wait()
         self._post(wire, bucket.flat)
-        out, offset = [], 0
-        for t in bucket.tensors:
-            out.append(bucket.flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-        bucket.work, bucket.flat, bucket.ready = None, None, 0
-        return out
+        bucket.work, bucket.ready = None, 0
+        return bucket.views
 
 
 class DataParallelPlugin:
@@ -118,7 +130,7 @@ class DataParallelPlugin:
             "communication_data_type": Field((str, type(None)), None, "dtype of gradients on the wire",
                                              choices=(None, "fp32", "fp16", "bf16")),
             "data_parallel": Section({
-                "reduce_bucket_size": Field((int,), 25_000_000, "elements per all-reduce bucket", positive),
+                "reduce_bucket_size": Field((int,), 2_000_000, "elements per all-reduce bucket", positive),
                 "overlap_comm": Field((bool,), True, "launch buckets from autograd hooks during backward"),
             }, doc="microspeed: data-parallel gradient reduction"),
         }
@@ -192,8 +204,7 @@ class DataParallelPlugin:
             for bucket in self.reducer.buckets:
                 self.reducer.launch(bucket, list(bucket.tensors))
             for bucket in self.reducer.buckets:
-                for buf, red in zip(bucket.tensors, self.reducer.finish(bucket), strict=True):
-                    buf.copy_(red)
+                torch._foreach_copy_(bucket.tensors, self.reducer.finish(bucket))
             return True
         if not self.overlap:
             self.reducer.build(list(reversed(self.params)))
@@ -201,9 +212,11 @@ class DataParallelPlugin:
             if bucket.work is None:
                 self.reducer.launch(bucket, [p.grad for p in bucket.tensors])
         for bucket in self.reducer.buckets:
-            for p, red in zip(bucket.tensors, self.reducer.finish(bucket), strict=True):
+            reduced = self.reducer.finish(bucket)
+            have = [(p.grad, r) for p, r in zip(bucket.tensors, reduced, strict=True) if p.grad is not None]
+            if have:
+                torch._foreach_copy_([g for g, _ in have], [r for _, r in have])
+            for p, r in zip(bucket.tensors, reduced, strict=True):
                 if p.grad is None:
-                    p.grad = red.clone()
-                else:
-                    p.grad.copy_(red)
+                    p.grad = r.clone()
         return True

@@ -29,8 +29,10 @@ class MicroBatchLoader:
                  shuffle: bool = True) -> None:
         self.sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
+        # Its own generator: starting an epoch must not draw from the global torch RNG, or a run
+        # resumed mid-epoch (which starts its iterator after the RNG was restored) would drift.
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
-                                 drop_last=drop_last)
+                                 drop_last=drop_last, generator=torch.Generator())
         self.epoch = 0
         self.consumed = 0
         self._skip = 0
@@ -55,8 +57,29 @@ class MicroBatchLoader:
         return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved position: the next ``iter()`` skips what was consumed."""
-        self.epoch, self._skip = int(state["epoch"]), int(state["consumed"])
+        """Continue from a saved position: the next ``iter()`` skips what was consumed.
+
+        A checkpoint also records ``micro_batch_size`` and ``num_replicas``. When they differ from
+        this loader's (a run resumed on another number of ranks), the position is carried over by
+        *global sample count*: every rank's shuffled order of an epoch is the same permutation, and
+        micro-batch ``k`` of all ranks together covers its positions ``[k*B*N, (k+1)*B*N)``, so the
+        resumed run continues with the very same samples. A count that does not divide
+        ``micro_batch_size * num_replicas`` rounds down (a few samples are seen again), with a warning.
+        """
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        old = (int(state.get("micro_batch_size", self.loader.batch_size)),
+               int(state.get("num_replicas", self.sampler.num_replicas)))
+        new = (int(self.loader.batch_size), int(self.sampler.num_replicas))
+        if old != new:
+            samples = consumed * old[0] * old[1]
+            consumed, rest = divmod(samples, new[0] * new[1])
+            if rest:
+                import warnings
+
+                warnings.warn(f"data loader resumed with micro_batch_size*ranks {new[0]}*{new[1]} instead of "
+                              f"{old[0]}*{old[1]}: {samples} samples of epoch {epoch} were consumed, resuming at "
+                              f"{consumed * new[0] * new[1]} ({rest} samples are seen again)", stacklevel=2)
+        self.epoch, self._skip = epoch, consumed
 
 
 class RepeatingLoader:
@@ -101,7 +124,10 @@ class DataLoaderPlugin:
     def microspeed_checkpoint_state(self, engine) -> dict | None:
         """The loader's position, so resumed training sees the same data."""
         loader = engine.training_dataloader
-        return {"dataloader": loader.state_dict()} if isinstance(loader, MicroBatchLoader) else None
+        if not isinstance(loader, MicroBatchLoader):
+            return None
+        return {"dataloader": {**loader.state_dict(), "micro_batch_size": loader.loader.batch_size,
+                               "num_replicas": loader.sampler.num_replicas}}
 
     @hookimpl
     def microspeed_load_checkpoint_state(self, engine, states: dict) -> None:

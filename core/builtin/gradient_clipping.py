@@ -18,18 +18,22 @@ def global_norm(grads: list[torch.Tensor], group=None) -> torch.Tensor:
     """L2 norm over all ``grads`` (fp32), with squares summed over ``group`` when given."""
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch._foreach_norm(grads, 2.0)
-    sq = torch.stack([n.float() for n in norms]).square().sum()
-    if group is not None and comm.get_world_size(group) > 1:
-        comm.all_reduce(sq, group=group)
+    per_tensor = torch._foreach_norm(grads, 2.0)
+    if len({n.dtype for n in per_tensor}) > 1:
+        per_tensor = [n.float() for n in per_tensor]
+    norms = torch.stack(per_tensor).float()
+    if group is None or comm.get_world_size(group) == 1:
+        return torch.linalg.vector_norm(norms, 2.0)
+    sq = norms.square().sum()
+    comm.all_reduce(sq, group=group)
     return sq.sqrt()
 
 
 def clip_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """Scale ``grads`` in place so that their norm is at most ``max_norm``."""
-    coef = max_norm / (float(norm) + 1e-6)
-    if coef < 1.0:
-        torch._foreach_mul_(grads, coef)
+    """Scale ``grads`` in place so that their norm is at most ``max_norm`` (no host sync)."""
+    if grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
 class GradientClippingPlugin:

@@ -177,32 +177,29 @@ class MixedPrecisionPlugin:
         with torch.no_grad():
             for p, m in self.pairs:
                 p.copy_(m)
-        return StepOutcome(applied=True, grad_norm=float(norm))
+        return StepOutcome(applied=True, grad_norm=norm)
 
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
         self._scale_used = self.scaler.loss_scale
         return overflow_across_ranks(has_inf_or_nan(grads))
 
     @hookimpl
-    def microspeed_checkpoint_state(self) -> dict[str, Any] | None:
-        """The loss scaler and the fp32 master weights, keyed by parameter name."""
+    def microspeed_optimizer_param_names(self) -> dict[int, str] | None:
+        """Name each fp32 master by its model parameter, so checkpoints key it (and its state) by FQN."""
         if self.dtype is None:
             return None
-        masters = {self.names.get(id(p), str(i)): m.detach().clone() for i, (p, m) in enumerate(self.pairs)}
-        return {"mixed_precision": {"scaler": self.scaler.state_dict() if self.scaler else None,
-                                    "masters": masters}}
+        return {id(m): self.names[id(p)] for p, m in self.pairs if id(p) in self.names}
+
+    @hookimpl
+    def microspeed_checkpoint_state(self) -> dict[str, Any] | None:
+        """The loss scaler (the checkpoint core saves the fp32 masters, keyed by parameter name)."""
+        if self.scaler is None:
+            return None
+        return {"mixed_precision": {"scaler": self.scaler.state_dict()}}
 
     @hookimpl
     def microspeed_load_checkpoint_state(self, states: dict[str, Any]) -> None:
-        """Restore the scaler and the masters."""
+        """Restore the loss scaler."""
         state = states.get("mixed_precision")
-        if state is None or self.dtype is None:
-            return
-        if self.scaler is not None and state["scaler"] is not None:
+        if state is not None and self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
-        with torch.no_grad():
-            for i, (p, m) in enumerate(self.pairs):
-                saved = state["masters"].get(self.names.get(id(p), str(i)))
-                if saved is not None:
-                    m.copy_(saved)
-                    p.copy_(saved)

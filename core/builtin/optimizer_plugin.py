@@ -33,4 +33,4 @@ class OptimizerPlugin:
         grads = [p.grad for g in engine.optimizer.param_groups for p in g["params"] if p.grad is not None]
         norm = engine.hook.microspeed_clip_gradients(engine=engine, grads=grads)
         engine.optimizer.step()
-        return StepOutcome(applied=True, grad_norm=float(norm))
+        return StepOutcome(applied=True, grad_norm=norm)
