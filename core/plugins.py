@@ -41,6 +41,10 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "mixed_precision": "microspeed.builtin.mixed_precision:MixedPrecisionPlugin",
     "dataloader": "microspeed.builtin.dataloader:DataLoaderPlugin",
     "logging": "microspeed.builtin.step_logging:StepLoggingPlugin",
+    "tracing": "microspeed.builtin.tracing:TracingPlugin",
+    "comms_logger": "microspeed.builtin.comms_logger:CommsLoggerPlugin",
+    "watchdog": "microspeed.builtin.watchdog_plugin:WatchdogPlugin",
+    "monitor": "microspeed.builtin.monitor:MonitorPlugin",
 }
 
 

@@ -1,0 +1,56 @@
+"""The ``trace`` section: hook-level tracing, one JSON-lines file per rank (see :mod:`microspeed.trace`).
+
+``MICROSPEED_TRACE=<dir>`` turns tracing on when the plugins are loaded (so ``initialize()`` is
+traced too) and wins over the config; ``"trace": {"enabled": true, "output_path": "<dir>"}``
+turns it on at ``configure``. When off, this plugin implements no per-step hook and attaches
+nothing: tracing costs nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from microspeed import trace
+from microspeed.config import Field, Section
+from microspeed.hookspecs import hookimpl
+
+
+class TracingPlugin:
+    """Starts the process's tracer and instruments this engine's plugin manager when asked to."""
+
+    def __init__(self) -> None:
+        self.plugins: Any = None
+        self.directory: str | None = None
+
+    @hookimpl
+    def microspeed_plugins_loaded(self, plugins: Any) -> None:
+        """With ``MICROSPEED_TRACE`` set, start tracing now (the config is not parsed yet)."""
+        self.plugins = plugins
+        directory = trace.env_directory()
+        if directory is not None:
+            self.directory = directory
+            trace.start(directory)
+            trace.instrument(plugins)
+
+    @hookimpl
+    def microspeed_config_sections(self) -> dict:
+        """``trace``: ``enabled`` and ``output_path``."""
+        return {
+            "trace": Section({
+                "enabled": Field((bool,), False, "record every hook call, collective and step per rank "
+                                 f"(or set {trace.ENV_VAR}=<dir>)"),
+                "output_path": Field((str, type(None)), None, "directory of the rank<N>.jsonl files "
+                                     f"(default ./{trace.DEFAULT_DIR})"),
+            }, doc="microspeed: hook-level tracing"),
+        }
+
+    @hookimpl
+    def microspeed_configure(self, config) -> None:
+        """Start tracing if the config asks for it (and the environment did not already)."""
+        section = config["trace"]
+        if self.directory is not None or not section["enabled"]:
+            return
+        self.directory = section["output_path"] or trace.DEFAULT_DIR
+        trace.start(self.directory)
+        if self.plugins is not None:
+            trace.instrument(self.plugins)

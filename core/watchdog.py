@@ -1,0 +1,534 @@
+"""Hang diagnosis: a per-rank watchdog that turns a hang into a report naming the stragglers.
+
+With ``"watchdog": {"timeout_s": N}`` every rank runs a daemon thread that watches what the main
+thread is doing, through the same instrumentation as tracing (:data:`microspeed.trace.probe`):
+the hook call (and the plugin running in it) or the collective of :mod:`microspeed.comm` in
+progress, and since when. Code outside hooks and collectives (the model's forward, the user's
+loop) is never timed.
+
+When a rank has been in one collective or one hook for more than ``timeout_s`` seconds:
+
+1. it raises an alarm through the c10d store (not through a collective, which would hang too):
+   ``<prefix>alarms`` is incremented and ``<prefix>alarm/<n>`` set;
+2. every other rank's watchdog thread, which polls for alarms, publishes its own state under
+   ``<prefix>state/<n>/<rank>``: what it is in and for how long, its step, how many collectives
+   it issued per group, and its main thread's Python stack (``sys._current_frames()``). It also
+   writes a ``watchdog`` event to its trace and one line to stderr, and goes on. A rank whose
+   process ended published ``<prefix>exited/<rank>`` at exit;
+3. the detecting rank waits briefly for the answers, names the stragglers (the ranks that did
+   not join the collective the others wait in: those in a hook, outside microspeed, in another
+   collective, exited, or silent), prints a one-screen report to stderr, writes the full report
+   (every rank's stack) to ``<trace dir>/watchdog_rank<N>.txt`` when tracing is on, and ends the
+   process with exit code :data:`EXIT_CODE` (``os._exit``: the main thread is stuck in C++).
+
+The launcher (torchrun) then stops the other ranks. Set ``timeout_s`` above the longest hook of
+a healthy step (the ``backward`` hook runs the whole backward pass) and its longest collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from microspeed import comm, trace
+
+EXIT_CODE = 86
+"""Exit code of a rank that the watchdog stopped."""
+
+STORE_PREFIX = "microspeed/watchdog/"
+"""Prefix of the watchdog's keys in the c10d store."""
+
+_SCREEN_FRAMES = 6  # innermost frames shown per straggler on screen
+_SCREEN_STRAGGLER_STACKS = 4  # stragglers whose frames are shown on screen
+
+
+@dataclass
+class RankState:
+    """Where one rank is, as its watchdog saw it.
+
+    ``kind`` is ``"collective"`` (in ``name`` = the op, ``seq``-th on ``group``), ``"hook"`` (in
+    hook ``name``, implementation of ``plugin`` running), ``"idle"`` (outside hooks and
+    collectives; ``last`` is what it finished last, ``seconds`` ago), ``"exited"`` (the process
+    ended) or ``"no answer"``. ``seconds`` is the time in the current activity; ``launched_s``
+    the time since an asynchronous collective was launched. ``hook``/``plugin`` of a collective
+    say where it was called from. ``counts`` are the collectives issued per group label.
+    """
+
+    rank: int
+    kind: str
+    name: str = ""
+    seconds: float = 0.0
+    hook: str | None = None
+    plugin: str | None = None
+    nbytes: int = 0
+    group: str = ""
+    group_ranks: list[int] = field(default_factory=list)
+    seq: int = 0
+    launched_s: float | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    step: int | None = None
+    micro_step: int | None = None
+    last: str = ""
+    stack: str = ""
+
+    def where(self) -> str:
+        """One phrase: ``in all_reduce #7 on world (16 B) for 3.0 s [hook before_step, plugin fault]``."""
+        if self.kind == "collective":
+            size = comm.convert_size(self.nbytes)
+            text = f"in {self.name} #{self.seq} on {self.group} ({size}) for {self.seconds:.1f} s"
+            if self.launched_s is not None:
+                text += f" (waiting; launched {self.launched_s:.1f} s ago)"
+            context = ", ".join(x for x in (self.hook and f"hook {self.hook}", self.plugin and f"plugin {self.plugin}")
+                                if x)
+            return text + (f" [{context}]" if context else "")
+        if self.kind == "hook":
+            return f"in hook {self.name}" + (f" (plugin {self.plugin})" if self.plugin else "") + \
+                f" for {self.seconds:.1f} s"
+        if self.kind == "idle":
+            last = f"; last finished: {self.last}" if self.last else ""
+            return f"outside hooks and collectives (idle or finished) for {self.seconds:.1f} s{last}"
+        if self.kind == "exited":
+            return "exited (its process ended)"
+        return "did not answer (process gone, or its Python threads blocked)"
+
+    def position(self) -> str:
+        """``step 3 (micro 6)`` or ``""``."""
+        if self.step is None:
+            return ""
+        return f"step {self.step}" + (f" (micro {self.micro_step})" if self.micro_step is not None else "")
+
+    def to_json(self) -> str:
+        """JSON text (what goes through the store)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RankState:
+        """Parse :meth:`to_json`'s output (unknown keys ignored)."""
+        data = json.loads(text)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+# --------------------------------------------------------------------------------------------
+# Capturing and judging states
+# --------------------------------------------------------------------------------------------
+
+
+def _filtered_stack(frame: Any) -> str:
+    """The Python stack ending at ``frame``, without pluggy's and the probe's own frames."""
+    if frame is None:
+        return ""
+    skip = (os.path.dirname(__import__("pluggy").__file__), trace.__file__, comm.__file__)
+    entries = [e for e in traceback.format_stack(frame) if not any(s in e for s in skip)]
+    return "".join(entries[-40:])
+
+
+def capture(rank: int | None = None, probe: trace.Probe | None = None, now_ns: int | None = None) -> RankState:
+    """The state of this process's main thread now (what the watchdog publishes)."""
+    probe = probe or trace.probe
+    rank = comm.get_rank() if rank is None else rank
+    now = time.perf_counter_ns() if now_ns is None else now_ns
+    stack = list(probe.main_stack)
+    if stack and stack[-1].kind == "collective":
+        top = stack[-1]
+        call = top.call
+        hook, plugin = call.context or (None, None)
+        state = RankState(rank, "collective", call.op, (now - top.t0) / 1e9, hook=hook, plugin=plugin,
+                          nbytes=call.nbytes, group=call.label, group_ranks=comm.group_label(call.group)[1],
+                          seq=call.seq, launched_s=(now - call.t0) / 1e9 if top.waiting else None)
+    elif stack:
+        top = stack[-1]
+        state = RankState(rank, "hook", trace.short_hook_name(top.name), (now - top.t0) / 1e9, plugin=top.plugin)
+    else:
+        last = probe.last
+        state = RankState(rank, "idle", seconds=(now - last[1]) / 1e9 if last else 0.0,
+                          last=trace.short_hook_name(last[0]) if last else "")
+    engine = probe.engine
+    state.step = getattr(engine, "global_steps", None)
+    state.micro_step = getattr(engine, "micro_steps", None)
+    state.counts = comm.collective_counts()
+    main = threading.main_thread().ident
+    state.stack = _filtered_stack(sys._current_frames().get(main))
+    return state
+
+
+def _signature(s: RankState) -> tuple[Any, ...]:
+    return (s.name, s.seq, s.group, s.hook, s.plugin, s.nbytes)
+
+
+def find_stragglers(states: list[RankState]) -> tuple[list[tuple[int, str]], str]:
+    """``([(rank, why), ...], summary)``: the ranks holding the others up, and what the others wait in.
+
+    The reference is the collective most waiting ranks are in (ties: the one waited in longest).
+    A rank of that collective's group is a straggler when it is not in that same call: in a hook,
+    idle, in another collective, exited or silent. With nobody waiting in a collective, the ranks
+    stuck in hooks are the stragglers.
+    """
+    waiting = [s for s in states if s.kind == "collective"]
+    if not waiting:
+        hooked = sorted((s for s in states if s.kind == "hook"), key=lambda s: -s.seconds)
+        if hooked:
+            return ([(s.rank, f"stuck in hook {s.name}" + (f" (plugin {s.plugin})" if s.plugin else "")
+                      + f" for {s.seconds:.1f} s") for s in hooked], "no rank is in a collective")
+        return [], "no rank is in a hook or a collective"
+    by_sig: dict[tuple[Any, ...], list[RankState]] = {}
+    for s in waiting:
+        by_sig.setdefault(_signature(s), []).append(s)
+    ref_sig, ref_ranks = max(by_sig.items(), key=lambda kv: (len(kv[1]), max(s.seconds for s in kv[1])))
+    ref = max(ref_ranks, key=lambda s: s.seconds)
+    members = set(ref.group_ranks) if ref.group_ranks else {s.rank for s in states}
+    what = f"{ref.name} #{ref.seq} on {ref.group}"
+    out: list[tuple[int, str]] = []
+    for s in sorted(states, key=lambda s: s.rank):
+        if s.rank not in members or (s.kind == "collective" and _signature(s) == ref_sig):
+            continue
+        issued = s.counts.get(ref.group)
+        issued_text = f"; it issued {issued} collectives on {ref.group}" if issued is not None else ""
+        if s.kind == "collective" and s.group == ref.group and s.seq == ref.seq:
+            why = f"in {s.name} #{s.seq} from {s.hook or '?'} / {s.plugin or '?'}: mismatched with {what}"
+        elif s.kind == "collective":
+            why = f"in {s.name} #{s.seq} on {s.group}, not in {what}"
+        elif s.kind == "hook":
+            why = f"in hook {s.name}" + (f" (plugin {s.plugin})" if s.plugin else "") + f", has not reached {what}"
+        elif s.kind == "idle":
+            why = f"outside hooks and collectives, did not join {what}{issued_text}"
+        elif s.kind == "exited":
+            why = f"exited without joining {what}"
+        else:
+            why = f"did not answer; not known to be in {what}"
+        out.append((s.rank, why))
+    summary = f"{_ranks_text([s.rank for s in ref_ranks])} wait in {what}"
+    if not out:
+        summary += ": every rank of the group is in it (none missing: a slow or broken transport, " \
+                   "or a rank calling torch.distributed directly)"
+    return out, summary
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5] -> "ranks 0-2,5"``; ``[3] -> "rank 3"``."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    parts, start, prev = [], None, None
+    for r in ranks + [None]:
+        if start is None:
+            start = prev = r
+        elif r is not None and r == prev + 1:
+            prev = r
+        else:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = r
+    return "ranks " + ",".join(parts)
+
+
+def format_report(states: list[RankState], detector: int, timeout_s: float, full: bool = False,
+                  report_path: str | None = None) -> str:
+    """The watchdog's report: one screen (``full=False``) or with every rank's stack.
+
+    Lists what each rank is in (ranks in the same place share a line), names the stragglers and
+    shows where they are (innermost frames).
+    """
+    states = sorted(states, key=lambda s: s.rank)
+    me = next((s for s in states if s.rank == detector), None)
+    stragglers, summary = find_stragglers(states)
+    bar = "=" * 100
+    lines = [bar, f"microspeed watchdog: rank {detector} "
+                  + (f"has been {me.where()}" if me is not None else "detected a hang")
+                  + f" (timeout_s={timeout_s:g}); stopping the job"]
+    groups: dict[str, list[RankState]] = {}
+    for s in states:
+        key = s.where() if s.kind not in ("collective", "hook", "idle") else \
+            f"{s.kind}|{_signature(s)}|{s.name}|{s.plugin}|{s.position()}"
+        groups.setdefault(key, []).append(s)
+    for members in groups.values():
+        first = members[0]
+        span = [m.seconds for m in members]
+        where = first.where()
+        if len(members) > 1 and first.kind in ("collective", "hook", "idle"):
+            where = where.replace(f"for {first.seconds:.1f} s", f"for {min(span):.1f}-{max(span):.1f} s")
+        pos = first.position()
+        lines.append(f"  {_ranks_text([m.rank for m in members]):<12} {pos + ': ' if pos else ''}{where}")
+    lines.append(summary)
+    if stragglers:
+        names = _ranks_text([r for r, _ in stragglers])
+        lines.append(f"straggler{'s' if len(stragglers) > 1 else ''}: {names}")
+        for rank, why in stragglers[:16]:
+            lines.append(f"  rank {rank}: {why}")
+        if len(stragglers) > 16:
+            lines.append(f"  ... and {len(stragglers) - 16} more")
+    else:
+        lines.append("stragglers: none identified")
+    by_rank = {s.rank: s for s in states}
+    shown = [r for r, _ in stragglers if by_rank[r].stack][:_SCREEN_STRAGGLER_STACKS]
+    if not shown and me is not None and me.stack:
+        shown = [detector]
+    for rank in shown:
+        frames = _frames(by_rank[rank].stack)
+        lines.append(f"where rank {rank} is (innermost frames):")
+        lines.extend("  " + line for f in frames[-_SCREEN_FRAMES:] for line in f.rstrip("\n").splitlines())
+    if report_path:
+        lines.append(f"full report with every rank's stack: {report_path}")
+    if full:
+        for s in states:
+            lines.append(f"--- rank {s.rank}: {s.position()} {s.where()}")
+            lines.append(s.stack.rstrip("\n") if s.stack else "  (no stack)")
+    lines.append(bar)
+    return "\n".join(lines) + "\n"
+
+
+def _frames(stack_text: str) -> list[str]:
+    """Split ``traceback.format_stack`` text back into one entry per frame."""
+    entries: list[str] = []
+    for line in stack_text.splitlines(keepends=True):
+        if line.startswith("  File ") or not entries:
+            entries.append(line)
+        else:
+            entries[-1] += line
+    return entries
+
+
+# --------------------------------------------------------------------------------------------
+# The watchdog
+# --------------------------------------------------------------------------------------------
+
+
+class Watchdog:
+    """The per-rank watchdog thread (see the module docstring).
+
+    ``store`` is a c10d store client the thread may use (``None``: one rank, or no exchange);
+    ``on_timeout(report)`` is called once with the one-screen report when this rank detects a
+    hang (default: flush, ``os._exit(EXIT_CODE)``). ``poll_s`` is how often the thread looks at the
+    main thread and for alarms; ``gather_s`` how long a detecting rank waits for the others.
+    """
+
+    def __init__(self, timeout_s: float, *, rank: int | None = None, world_size: int | None = None,
+                 store: Any = None, on_timeout: Callable[[str], None] | None = None, poll_s: float | None = None,
+                 gather_s: float | None = None, probe: trace.Probe | None = None) -> None:
+        self.timeout_s = float(timeout_s)
+        self.rank = comm.get_rank() if rank is None else rank
+        self.world_size = comm.get_world_size() if world_size is None else world_size
+        self.store = store
+        self.on_timeout = on_timeout or _exit_process
+        self.poll_s = poll_s if poll_s is not None else max(0.05, min(0.5, self.timeout_s / 5))
+        self.gather_s = gather_s if gather_s is not None else max(1.0, min(5.0, 4 * self.poll_s + 0.5))
+        self.probe = probe or trace.probe
+        self.report: str | None = None
+        self._next_alarm = 1
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._errors = 0
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def start(self) -> Watchdog:
+        """Start the thread (and publish ``exited`` at interpreter exit)."""
+        if self.store is not None:
+            try:  # alarms of an earlier watchdog on this store are not ours to answer
+                self._next_alarm = int(self.store.add(STORE_PREFIX + "alarms", 0)) + 1
+            except Exception:
+                pass
+        self._thread = threading.Thread(target=self._run, name="microspeed-watchdog", daemon=True)
+        self._thread.start()
+        atexit.register(self.publish_exit)
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread."""
+        self._stopped.set()
+        atexit.unregister(self.publish_exit)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 2 * self.poll_s))
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.poll_s):
+            try:
+                state = self.overdue()
+                if state is not None:
+                    self.fire(state)
+                    return
+                self.answer_alarms()
+            except Exception as exc:  # a broken store must not kill training; say it once
+                self._errors += 1
+                if self._errors == 1:
+                    print(f"microspeed watchdog (rank {self.rank}): {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    # -- detecting ------------------------------------------------------------------------------
+
+    def overdue(self) -> RankState | None:
+        """This rank's state if its main thread has been in one hook or collective past the timeout."""
+        top = self.probe.main_stack[-1:]
+        if not top or (top[0].kind == "hook" and not self.probe.training):
+            return None  # set-up hooks (optimizer builds, JIT compiles, checkpoint loads) may take long
+        if (time.perf_counter_ns() - top[0].t0) / 1e9 <= self.timeout_s:
+            return None
+        return capture(self.rank, self.probe)
+
+    def fire(self, state: RankState) -> str:
+        """Raise the alarm, gather every rank's state, report, then call ``on_timeout``."""
+        states = {self.rank: state}
+        if self.store is not None and self.world_size > 1:
+            states.update(self._gather(state))
+        for r in range(self.world_size):
+            states.setdefault(r, RankState(r, "no answer"))
+        tracer = trace.active()
+        path = os.path.join(tracer.directory, f"watchdog_rank{self.rank}.txt") if tracer is not None else None
+        ordered = [states[r] for r in sorted(states)]
+        self.report = format_report(ordered, self.rank, self.timeout_s, report_path=path)
+        if path is not None:
+            try:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(format_report(ordered, self.rank, self.timeout_s, full=True))
+            except OSError:
+                pass
+        if tracer is not None:
+            stragglers, summary = find_stragglers(ordered)
+            tracer.emit("watchdog", time.perf_counter_ns(), role="detector", state=asdict(state),
+                        stragglers=[r for r, _ in stragglers], summary=summary, timeout_s=self.timeout_s)
+            tracer.flush()
+        self.on_timeout(self.report)
+        return self.report
+
+    def _gather(self, state: RankState) -> dict[int, RankState]:
+        store = self.store
+        with self._lock:
+            n = int(store.add(STORE_PREFIX + "alarms", 1))
+            store.set(STORE_PREFIX + f"alarm/{n}", json.dumps({"rank": self.rank, "where": state.where()}))
+        self._next_alarm = max(self._next_alarm, n + 1)
+        got: dict[int, RankState] = {}
+        deadline = time.monotonic() + self.gather_s
+        pending = [r for r in range(self.world_size) if r != self.rank]
+        while pending and time.monotonic() < deadline:
+            for r in list(pending):
+                with self._lock:
+                    key = STORE_PREFIX + f"state/{n}/{r}"
+                    if store.check([key]):
+                        got[r] = RankState.from_json(store.get(key))
+                    elif store.check([STORE_PREFIX + f"exited/{r}"]):
+                        got[r] = RankState.from_json(store.get(STORE_PREFIX + f"exited/{r}"))
+                if r in got:
+                    pending.remove(r)
+            if pending:
+                self.answer_alarms()  # another rank may be gathering too
+                time.sleep(0.05)
+        return got
+
+    # -- answering -------------------------------------------------------------------------------
+
+    def answer_alarms(self) -> None:
+        """Publish this rank's state for every alarm raised since the last look."""
+        store = self.store
+        if store is None:
+            return
+        while True:
+            key = STORE_PREFIX + f"alarm/{self._next_alarm}"
+            with self._lock:
+                if not store.check([key]):
+                    return
+                alarm = json.loads(store.get(key))
+            n, self._next_alarm = self._next_alarm, self._next_alarm + 1
+            if alarm.get("rank") == self.rank:
+                continue
+            state = capture(self.rank, self.probe)
+            with self._lock:
+                store.set(STORE_PREFIX + f"state/{n}/{self.rank}", state.to_json())
+            print(f"microspeed watchdog: rank {alarm.get('rank')} reported a hang ({alarm.get('where')}); "
+                  f"rank {self.rank} is {state.where()}", file=sys.stderr, flush=True)
+            tracer = trace.active()
+            if tracer is not None:
+                tracer.emit("watchdog", time.perf_counter_ns(), role="answer", alarm_from=alarm.get("rank"),
+                            state=asdict(state))
+
+    def publish_exit(self) -> None:
+        """Tell the store this rank's process is ending (an ``exited`` state; called at exit)."""
+        self._stopped.set()
+        if self.store is None:
+            return
+        state = RankState(self.rank, "exited")
+        engine = self.probe.engine
+        state.step = getattr(engine, "global_steps", None)
+        state.micro_step = getattr(engine, "micro_steps", None)
+        state.counts = comm.collective_counts()
+        try:
+            if self._lock.acquire(timeout=1.0):
+                try:
+                    self.store.set(STORE_PREFIX + f"exited/{self.rank}", state.to_json())
+                finally:
+                    self._lock.release()
+        except Exception:
+            pass
+
+
+def _exit_process(report: str) -> None:
+    """Print the report, flush, and end the process (the main thread is stuck in C++)."""
+    try:
+        sys.stderr.write(report)
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        os._exit(EXIT_CODE)
+
+
+def _make_store(world_size: int, timeout_s: float) -> Any:
+    """A store client of the watchdog's own (a clone of the default group's store), or ``None``."""
+    if world_size <= 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return None
+    base = c10d._get_default_store()
+    try:
+        store = base.clone()  # its own connection: a blocked main thread does not hold it
+    except Exception:
+        store = base
+    try:
+        store.set_timeout(datetime.timedelta(seconds=max(10.0, 2 * timeout_s)))
+    except Exception:
+        pass
+    return store
+
+
+_current: Watchdog | None = None
+
+
+def start(timeout_s: float, **kwargs: Any) -> Watchdog:
+    """Start this process's watchdog (or set the running one's timeout) and mark the probe as needed.
+
+    The caller instruments its plugin manager with :func:`microspeed.trace.instrument`.
+    """
+    global _current
+    if _current is not None and not _current._stopped.is_set():
+        _current.timeout_s = float(timeout_s)
+        return _current
+    trace.probe.watching = True
+    trace.probe.observe_comm(True)
+    world = comm.get_world_size()
+    kwargs.setdefault("store", _make_store(world, timeout_s))
+    _current = Watchdog(timeout_s, world_size=world, **kwargs).start()
+    return _current
+
+
+def stop() -> None:
+    """Stop this process's watchdog; detach the probe unless tracing still needs it."""
+    global _current
+    if _current is not None:
+        _current.stop()
+        _current = None
+    trace.probe.watching = False
+    trace.probe.release_if_unused()
+
+
+def current() -> Watchdog | None:
+    """The running watchdog, or ``None``."""
+    return _current
