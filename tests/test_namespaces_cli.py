@@ -143,7 +143,9 @@ def test_add_config_arguments(tmp_path, tiny_model, base_config):
 # ------------------------------------------------------------------------------ the command
 
 
-def test_cli_plugins_lists_builtins_versions_and_call_order(capsys):
+def test_cli_plugins_lists_builtins_versions_and_call_order(capsys, monkeypatch):
+    monkeypatch.setenv("MICROSPEED_DISABLE_PLUGIN_AUTOLOAD", "1")  # the built-ins only, whatever else is installed
+    monkeypatch.delenv("MICROSPEED_PLUGINS", raising=False)
     assert microspeed.cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
