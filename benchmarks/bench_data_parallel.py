@@ -57,7 +57,6 @@ os.environ.setdefault("MICROSPEED_DISABLE_PLUGIN_AUTOLOAD", "1")
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import copy  # noqa: E402
-import hashlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
@@ -67,11 +66,11 @@ import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from common import core_fingerprint  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 import microspeed  # noqa: E402
 from microspeed.demo.data import ByteSequenceDataset, stdlib_corpus  # noqa: E402
@@ -98,14 +97,6 @@ class Runner:
     failed: str | None = None
 
 
-def core_fingerprint() -> str:
-    """A short hash of microspeed's installed sources, to tell which state of the core a result measured."""
-    root = Path(microspeed.__file__).parent
-    h = hashlib.sha1()
-    for path in sorted(root.rglob("*.py")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

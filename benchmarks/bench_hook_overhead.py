@@ -38,19 +38,17 @@ os.environ.setdefault("MICROSPEED_DISABLE_PLUGIN_AUTOLOAD", "1")
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import copy  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 import timeit  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from common import core_fingerprint, make_batches  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 import microspeed  # noqa: E402
-from microspeed.demo.data import ByteSequenceDataset, stdlib_corpus  # noqa: E402
 from microspeed.demo.model import GPT, GPTConfig  # noqa: E402
 from microspeed.engine import StepContext  # noqa: E402
 from microspeed.hookspecs import StepOutcome  # noqa: E402
@@ -100,14 +98,6 @@ class NoopPlugin:
         """No-op."""
 
 
-def core_fingerprint() -> str:
-    """A short hash of microspeed's installed sources, to tell which state of the core a result measured."""
-    root = Path(microspeed.__file__).parent
-    h = hashlib.sha1()
-    for path in sorted(root.rglob("*.py")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:12]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,15 +118,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_batches(n: int, micro: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` fixed batches ``(x, y)`` of shape ``(micro, seq_len)`` from the stdlib corpus (wrapping)."""
-    data = ByteSequenceDataset(stdlib_corpus(max_bytes=min(n * micro * seq_len + 1, 8_000_000)), seq_len)
-    out, k = [], 0
-    for _ in range(n):
-        rows = [data[(k + j) % len(data)] for j in range(micro)]
-        k += micro
-        out.append((torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])))
-    return out
 
 
 def make_engine(model: torch.nn.Module, micro: int, n_plugins: int) -> Any:

@@ -49,10 +49,10 @@ import timeit  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+from common import make_batches  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 import microspeed  # noqa: E402
 from microspeed import trace, watchdog  # noqa: E402
-from microspeed.demo.data import ByteSequenceDataset, stdlib_corpus  # noqa: E402
 from microspeed.demo.model import GPT, GPTConfig  # noqa: E402
 from microspeed.engine import StepContext  # noqa: E402
 from microspeed.plugins import PluginManager  # noqa: E402
@@ -77,15 +77,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def make_batches(n: int, micro: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` fixed batches ``(x, y)`` of shape ``(micro, seq_len)`` from the stdlib corpus (wrapping)."""
-    data = ByteSequenceDataset(stdlib_corpus(max_bytes=min(n * micro * seq_len + 1, 8_000_000)), seq_len)
-    out, k = [], 0
-    for _ in range(n):
-        rows = [data[(k + j) % len(data)] for j in range(micro)]
-        k += micro
-        out.append((torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])))
-    return out
 
 
 def make_engine(model: torch.nn.Module, micro: int, **sections: Any) -> Any:

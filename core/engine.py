@@ -215,7 +215,7 @@ class Engine(torch.nn.Module):
         return float(norm) if norm is not None else None
 
     def was_step_applied(self) -> bool:
-        """Whether the last optimizer step was applied (``False`` after an fp16 overflow)."""
+        """Whether the last optimizer step was applied (``False`` when a plugin skipped it, e.g. on overflow)."""
         return self._last_outcome.applied
 
     def train(self, mode: bool = True) -> Engine:
