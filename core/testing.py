@@ -1227,27 +1227,24 @@ def _recording_impl(hook: str, argnames: tuple[str, ...], firstresult: bool) -> 
 
     short = hook.removeprefix("microspeed_")
 
-    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        return {**dict(zip(argnames, args, strict=False)), **kwargs}
-
+    # pluggy reads an implementation's argument names from its code object, so the function is
+    # generated with the hook's own parameter names (a *args/**kwargs wrapper would receive none).
+    params = ", ".join(argnames)
+    record = "{" + ", ".join(f"{n!r}: {n}" for n in argnames) + "}"
     if firstresult:
-
-        def impl(self: HookRecorder, *args: Any, **kwargs: Any) -> Any:
-            call = self._record(short, bind(args, kwargs))
-            result = yield
-            if call is not None:
-                call.result = result
-            return result
-
+        source = (f"def impl(self, {params}):\n"
+                  f"    call = self._record(short, {record})\n"
+                  f"    result = yield\n"
+                  f"    if call is not None:\n"
+                  f"        call.result = result\n"
+                  f"    return result\n")
         marker = hookimpl(wrapper=True)
     else:
-
-        def impl(self: HookRecorder, *args: Any, **kwargs: Any) -> None:
-            self._record(short, bind(args, kwargs))
-
+        source = f"def impl(self, {params}):\n    self._record(short, {record})\n"
         marker = hookimpl(tryfirst=True)
-    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("self", *argnames)]
-    impl.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # pluggy reads the arg names
+    namespace: dict[str, Any] = {"short": short}
+    exec(compile(source, f"<HookRecorder.{hook}>", "exec"), namespace)  # noqa: S102 - names come from hookspecs
+    impl = namespace["impl"]
     impl.__name__ = hook
     impl.__qualname__ = f"HookRecorder.{hook}"
     impl.__doc__ = f"Record a call of ``{hook}``."
