@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from microspeed.builtin.phase_timer import PhaseTimer
 from microspeed.config import Field, Section
 from microspeed.errors import ConfigError
 from microspeed.hookspecs import hookimpl
@@ -51,7 +52,6 @@ EVENT_PREFIX = "Train/Samples/"
 DEFAULT_JOB_NAME = "DeepSpeedJobName"
 """DeepSpeed's default ``job_name``: the folder created inside ``output_path``."""
 
-_PHASES = ("forward", "backward", "step")
 
 
 def _not_empty(value: Any) -> str | None:
@@ -148,8 +148,7 @@ class MonitorPlugin:
         self.loss_sum: torch.Tensor | None = None
         self.loss_count = 0
         self.window_start: float | None = None
-        self.phase_ms = dict.fromkeys(_PHASES, 0.0)
-        self._t0 = 0.0
+        self.timer = PhaseTimer()
         self._writer_class: Any = None
         self._finalizer: weakref.finalize | None = None
 
@@ -175,7 +174,7 @@ class MonitorPlugin:
         if self.tb_enabled:
             self.tb_dir = os.path.join(config.get("tensorboard.output_path"), config.get("tensorboard.job_name"))
             self._writer_class = _summary_writer_class()
-        self.breakdown = bool(config.get("wall_clock_breakdown", False))
+        self.breakdown = self.timer.enabled = bool(config.get("wall_clock_breakdown", False))
 
     @hookimpl
     def microspeed_setup(self, engine) -> None:
@@ -197,14 +196,6 @@ class MonitorPlugin:
 
     # -- per micro-step -------------------------------------------------------------------
 
-    def _tick(self) -> None:
-        if self.breakdown:
-            self._t0 = time.perf_counter()
-
-    def _tock(self, phase: str) -> None:
-        if self.breakdown:
-            self.phase_ms[phase] += (time.perf_counter() - self._t0) * 1e3
-
     @hookimpl
     def microspeed_before_forward(self) -> None:
         """Start the step's clock at the first forward; start the forward timer."""
@@ -212,13 +203,13 @@ class MonitorPlugin:
             return
         if self.window_start is None:
             self.window_start = time.perf_counter()
-        self._tick()
+        self.timer.start()
 
     @hookimpl
     def microspeed_after_forward(self) -> None:
         """Stop the forward timer."""
         if self.writing:
-            self._tock("forward")
+            self.timer.stop("forward")
 
     @hookimpl
     def microspeed_before_backward(self, ctx) -> None:
@@ -228,25 +219,25 @@ class MonitorPlugin:
         loss = ctx.loss.detach().float()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
         self.loss_count += 1
-        self._tick()
+        self.timer.start()
 
     @hookimpl
     def microspeed_after_backward(self) -> None:
         """Stop the backward timer."""
         if self.writing:
-            self._tock("backward")
+            self.timer.stop("backward")
 
     @hookimpl
     def microspeed_before_step(self) -> None:
         """Start the step timer."""
         if self.writing:
-            self._tick()
+            self.timer.start()
 
     @hookimpl
     def microspeed_after_step(self) -> None:
         """Stop the step timer."""
         if self.writing:
-            self._tock("step")
+            self.timer.stop("step")
 
     # -- per optimizer step ---------------------------------------------------------------
 
@@ -268,8 +259,7 @@ class MonitorPlugin:
         if self.window_start is not None and now > self.window_start:
             out.append((EVENT_PREFIX + "samples_per_sec", engine.train_batch_size() / (now - self.window_start), x))
         if self.breakdown:
-            out.extend((f"{EVENT_PREFIX}elapsed_time_ms_{phase}", ms, x) for phase, ms in self.phase_ms.items())
-            self.phase_ms = dict.fromkeys(_PHASES, 0.0)
+            out.extend((f"{EVENT_PREFIX}elapsed_time_ms_{phase}", ms, x) for phase, ms in self.timer.take().items())
         self.loss_sum, self.loss_count = None, 0
         self.window_start = now
         return out

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from microspeed.builtin.phase_timer import PhaseTimer
 from microspeed.config import Field, positive
 from microspeed.hookspecs import hookimpl
 from microspeed.log import get_logger
@@ -25,8 +26,7 @@ class StepLoggingPlugin:
         self.loss_count = 0
         self.window_start = time.perf_counter()
         self.window_samples = 0
-        self.phase_ms = {"forward": 0.0, "backward": 0.0, "step": 0.0}
-        self._t0 = 0.0
+        self.timer = PhaseTimer()
         self.log = None
 
     @hookimpl
@@ -41,7 +41,7 @@ class StepLoggingPlugin:
     def microspeed_configure(self, config) -> None:
         """Read the keys."""
         self.every = config["steps_per_print"]
-        self.breakdown = config["wall_clock_breakdown"]
+        self.breakdown = self.timer.enabled = config["wall_clock_breakdown"]
 
     @hookimpl
     def microspeed_setup(self, engine) -> None:
@@ -50,23 +50,15 @@ class StepLoggingPlugin:
             self.log = get_logger("microspeed.train")
         self.window_start = time.perf_counter()
 
-    def _tick(self) -> None:
-        if self.breakdown:
-            self._t0 = time.perf_counter()
-
-    def _tock(self, phase: str) -> None:
-        if self.breakdown:
-            self.phase_ms[phase] += (time.perf_counter() - self._t0) * 1e3
-
     @hookimpl
     def microspeed_before_forward(self) -> None:
         """Start the forward timer."""
-        self._tick()
+        self.timer.start()
 
     @hookimpl
     def microspeed_after_forward(self) -> None:
         """Stop the forward timer."""
-        self._tock("forward")
+        self.timer.stop("forward")
 
     @hookimpl
     def microspeed_before_backward(self, ctx) -> None:
@@ -74,22 +66,22 @@ class StepLoggingPlugin:
         loss = ctx.loss.detach().float()
         self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
         self.loss_count += 1
-        self._tick()
+        self.timer.start()
 
     @hookimpl
     def microspeed_after_backward(self) -> None:
         """Stop the backward timer."""
-        self._tock("backward")
+        self.timer.stop("backward")
 
     @hookimpl
     def microspeed_before_step(self) -> None:
         """Start the step timer."""
-        self._tick()
+        self.timer.start()
 
     @hookimpl
     def microspeed_after_step(self) -> None:
         """Stop the step timer."""
-        self._tock("step")
+        self.timer.stop("step")
 
     @hookimpl
     def microspeed_after_global_step(self, engine) -> None:
@@ -108,8 +100,7 @@ class StepLoggingPlugin:
             **engine.metrics,
         }
         if self.breakdown:
-            fields.update({f"{k}_ms": round(v, 2) for k, v in self.phase_ms.items()})
-            self.phase_ms = dict.fromkeys(self.phase_ms, 0.0)
+            fields.update({f"{k}_ms": round(v, 2) for k, v in self.timer.take().items()})
         self.log.info("train", **fields)
         self.loss_sum, self.loss_count = None, 0
         self.window_start, self.window_samples = time.perf_counter(), 0
