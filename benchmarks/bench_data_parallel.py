@@ -234,24 +234,30 @@ def make_microspeed(model: torch.nn.Module, args: argparse.Namespace, micro: int
                   plugins=engine.plugins.names(), hyper=defaults)
 
 
+def plain_torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, clip: float):
+    """The hand-written torch training step used for DDP and FSDP2: zero, forward, backward, clip, step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One training step on this rank's micro-batch; returns the loss."""
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        return loss
+
+    return step
+
+
 def make_ddp(model: torch.nn.Module, args: argparse.Namespace) -> Runner:
     """torch DistributedDataParallel (C++ reducer, 25 MB buckets) with the same AdamW and clipping."""
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model)
     opt = torch_adamw(ddp.parameters(), args.lr)
-    params = [p for p in ddp.parameters() if p.requires_grad]
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One training step on this rank's micro-batch; returns the loss."""
-        opt.zero_grad(set_to_none=True)
-        loss = ddp(x, y)
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.clip)
-        opt.step()
-        return loss
-
+    step = plain_torch_step(ddp, opt, args.clip)
     name, defaults = optimizer_signature(opt)
     return Runner("ddp", step, info=f"{name} {defaults}", hyper=defaults)
 
@@ -302,18 +308,7 @@ def make_fsdp2(model: torch.nn.Module, args: argparse.Namespace) -> Runner:
     except (RuntimeError, ValueError, TypeError):  # fused kernel refused for DTensor parameters
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         kernel = "default"
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One training step on this rank's micro-batch; returns the loss."""
-        opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, args.clip)
-        opt.step()
-        return loss
-
+    step = plain_torch_step(model, opt, args.clip)
     name, defaults = optimizer_signature(opt)
     return Runner("fsdp2", step, info=f"{name} ({kernel} kernel) {defaults}", hyper=defaults)
 

@@ -39,9 +39,7 @@ import time
 import weakref
 from typing import Any
 
-import torch
-
-from microspeed.builtin.phase_timer import PhaseTimer
+from microspeed.builtin.step_metrics import LossMeter, PhaseTimer
 from microspeed.config import Field, Section
 from microspeed.errors import ConfigError
 from microspeed.hookspecs import hookimpl
@@ -145,8 +143,7 @@ class MonitorPlugin:
         self.breakdown = False
         self.csv: CsvEventWriter | None = None
         self.tensorboard: Any = None
-        self.loss_sum: torch.Tensor | None = None
-        self.loss_count = 0
+        self.loss = LossMeter()
         self.window_start: float | None = None
         self.timer = PhaseTimer()
         self._writer_class: Any = None
@@ -216,9 +213,7 @@ class MonitorPlugin:
         """Add ``ctx.loss`` to the step's sum, on the device (no host sync)."""
         if not self.writing:
             return
-        loss = ctx.loss.detach().float()
-        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
-        self.loss_count += 1
+        self.loss.add(ctx.loss)
         self.timer.start()
 
     @hookimpl
@@ -246,8 +241,9 @@ class MonitorPlugin:
         now = time.perf_counter()
         x = engine.global_samples
         out: list[tuple[str, float, int]] = []
-        if self.loss_sum is not None:
-            out.append((EVENT_PREFIX + "train_loss", float(self.loss_sum) / max(self.loss_count, 1), x))
+        mean_loss = self.loss.take()
+        if mean_loss is not None:
+            out.append((EVENT_PREFIX + "train_loss", mean_loss, x))
         lrs = engine.get_lr()
         if lrs:
             out.append((EVENT_PREFIX + "lr", float(lrs[0]), x))
@@ -260,7 +256,6 @@ class MonitorPlugin:
             out.append((EVENT_PREFIX + "samples_per_sec", engine.train_batch_size() / (now - self.window_start), x))
         if self.breakdown:
             out.extend((f"{EVENT_PREFIX}elapsed_time_ms_{phase}", ms, x) for phase, ms in self.timer.take().items())
-        self.loss_sum, self.loss_count = None, 0
         self.window_start = now
         return out
 

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import time
 
-import torch
-
-from microspeed.builtin.phase_timer import PhaseTimer
+from microspeed.builtin.step_metrics import LossMeter, PhaseTimer
 from microspeed.config import Field, positive
 from microspeed.hookspecs import hookimpl
 from microspeed.log import get_logger
@@ -22,8 +20,7 @@ class StepLoggingPlugin:
     def __init__(self) -> None:
         self.every = 10
         self.breakdown = False
-        self.loss_sum: torch.Tensor | None = None
-        self.loss_count = 0
+        self.loss = LossMeter()
         self.window_start = time.perf_counter()
         self.window_samples = 0
         self.timer = PhaseTimer()
@@ -63,9 +60,7 @@ class StepLoggingPlugin:
     @hookimpl
     def microspeed_before_backward(self, ctx) -> None:
         """Accumulate the loss (no host sync) and start the backward timer."""
-        loss = ctx.loss.detach().float()
-        self.loss_sum = loss if self.loss_sum is None else self.loss_sum + loss
-        self.loss_count += 1
+        self.loss.add(ctx.loss)
         self.timer.start()
 
     @hookimpl
@@ -92,7 +87,7 @@ class StepLoggingPlugin:
         elapsed = time.perf_counter() - self.window_start
         fields = {
             "step": engine.global_steps,
-            "loss": round(float(self.loss_sum / max(self.loss_count, 1)), 5) if self.loss_sum is not None else None,
+            "loss": None if (mean := self.loss.take()) is None else round(mean, 5),
             "lr": engine.get_lr()[0] if engine.get_lr() else None,
             "grad_norm": None if engine.get_global_grad_norm() is None else round(engine.get_global_grad_norm(), 4),
             "samples_per_s": round(self.window_samples / elapsed, 2) if elapsed > 0 else None,
@@ -102,5 +97,4 @@ class StepLoggingPlugin:
         if self.breakdown:
             fields.update({f"{k}_ms": round(v, 2) for k, v in self.timer.take().items()})
         self.log.info("train", **fields)
-        self.loss_sum, self.loss_count = None, 0
         self.window_start, self.window_samples = time.perf_counter(), 0

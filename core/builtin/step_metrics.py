@@ -1,8 +1,10 @@
-"""Wall-clock time per training phase (``wall_clock_breakdown``), shared by logging and monitors."""
+"""Per-step measurements shared by step logging and monitors: phase times and the mean loss."""
 
 from __future__ import annotations
 
 import time
+
+import torch
 
 PHASES = ("forward", "backward", "step")
 
@@ -32,3 +34,23 @@ class PhaseTimer:
         """The milliseconds per phase so far, and restart the counts from zero."""
         out, self.ms = self.ms, dict.fromkeys(PHASES, 0.0)
         return out
+
+
+class LossMeter:
+    """Mean of the losses seen since the last :meth:`take`, summed on the device (no host sync)."""
+
+    def __init__(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        """Add one micro-step's (unscaled) loss."""
+        loss = loss.detach().float()
+        self.total = loss if self.total is None else self.total + loss
+        self.count += 1
+
+    def take(self) -> float | None:
+        """The mean loss so far (one host sync), or ``None`` if none was added; then start over."""
+        mean = None if self.total is None else float(self.total / self.count)
+        self.total, self.count = None, 0
+        return mean
