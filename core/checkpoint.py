@@ -76,9 +76,13 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "CheckpointWarning",
+    "Reader",
     "TensorRef",
+    "flat_range_boxes",
+    "flat_shard",
     "get_fp32_state_dict",
     "load",
+    "load_optimizer_state",
     "new_manifest",
     "optimizer_param_names",
     "read_latest",
@@ -87,6 +91,7 @@ __all__ = [
     "resolve_tag_dir",
     "save",
     "save_16bit_model",
+    "save_optimizer_state",
     "save_state_dict_file",
     "write_checkpoint",
 ]
@@ -220,18 +225,25 @@ def _find_unreadable_file(tag_dir: str, metadata: Metadata) -> str | None:
 # -------------------------------------------------------------------------------- tensor I/O
 
 
-class _Reader:
-    """Collects ``key -> target tensors`` for one ``dcp.load`` call, then fills the targets."""
+class Reader:
+    """Collects ``key -> target tensors`` for one checkpoint load, then fills the targets.
 
-    def __init__(self, tag_dir: str, metadata: Metadata) -> None:
-        self.tag_dir, self.metadata = tag_dir, metadata
+    Targets are plain tensors or sharded tensors made by :func:`flat_shard` (filled in place,
+    each rank reading only its pieces). Plugins get one in ``microspeed_load_optimizer_state``.
+    """
+
+    def __init__(self, tag_dir: str, metadata: Metadata, manifest: dict[str, Any] | None = None) -> None:
+        self.tag_dir, self.metadata, self.manifest = tag_dir, metadata, manifest or {}
         self.targets: dict[str, list[torch.Tensor]] = {}
+        self.sharded: list[tuple[str, torch.Tensor]] = []
         self.mismatches: list[str] = []
 
     def has(self, key: str) -> bool:
+        """Whether the checkpoint holds the tensor ``key``."""
         return isinstance(self.metadata.state_dict_metadata.get(key), TensorStorageMetadata)
 
     def meta(self, key: str) -> TensorStorageMetadata:
+        """DCP's description (size, dtype) of the saved tensor ``key``."""
         return self.metadata.state_dict_metadata[key]  # type: ignore[return-value]
 
     def into(self, key: str, target: torch.Tensor, name: str) -> None:
@@ -239,6 +251,9 @@ class _Reader:
         saved = tuple(self.meta(key).size)
         if saved != tuple(target.shape):
             self.mismatches.append(f"{name}: checkpoint {list(saved)} vs {list(target.shape)}")
+            return
+        if _is_sharded(target):
+            self.sharded.append((key, target))
             return
         self.targets.setdefault(key, []).append(target)
 
@@ -253,6 +268,7 @@ class _Reader:
         return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
 
     def run(self, no_dist: bool) -> None:
+        """Read every registered target (one ``dcp.load`` per round of distinct keys)."""
         if self.mismatches:
             raise CheckpointError(f"{self.tag_dir}: shapes differ from the checkpoint's: "
                                   + "; ".join(self.mismatches), self.tag_dir)
@@ -266,8 +282,21 @@ class _Reader:
                 buf = first if first.dtype == self.meta(key).properties.dtype else self._empty(key)
                 plan[key] = buf
                 copies.extend((t, buf) for t in targets if t is not buf)
-        if not plan:
-            return
+        rounds = [plan] if plan else []
+        for key, target in self.sharded:  # DCP casts into sharded targets; one key per round
+            for r in rounds:
+                if key not in r:
+                    r[key] = target
+                    break
+            else:
+                rounds.append({key: target})
+        for r in rounds:
+            self._load(r, no_dist)
+        with torch.no_grad():
+            for target, buf in copies:
+                target.copy_(buf)
+
+    def _load(self, plan: dict[str, torch.Tensor], no_dist: bool) -> None:
         try:
             with _quiet_dcp():
                 dcp.load(plan, storage_reader=dcp.FileSystemReader(self.tag_dir), no_dist=no_dist)
@@ -276,9 +305,79 @@ class _Reader:
             where = bad or self.tag_dir
             raise CheckpointError(f"{where}: reading checkpoint tensors failed (truncated or foreign file?): "
                                   f"{type(exc).__name__}: {_short(exc)}", where) from exc
-        with torch.no_grad():
-            for target, buf in copies:
-                target.copy_(buf)
+
+
+
+def _is_sharded(t: Any) -> bool:
+    return type(t).__name__ == "ShardedTensor"
+
+
+def flat_range_boxes(shape: tuple[int, ...] | list[int], start: int, end: int) -> list[tuple[list[int], list[int]]]:
+    """Split the row-major flat range ``[start, end)`` of a tensor of ``shape`` into boxes.
+
+    Returns ``[(offsets, sizes), ...]`` in flat order; each box is contiguous in the flat
+    order, so its data is ``flat[a:a + prod(sizes)].view(sizes)``. At most ``2 * ndim - 1`` boxes.
+    """
+    shape = list(shape)
+    if not shape:
+        return [([], [])] if start < end else []
+    boxes: list[tuple[list[int], list[int]]] = []
+
+    def rec(prefix: list[int], dims: list[int], s: int, e: int) -> None:
+        if s >= e:
+            return
+        inner = 1
+        for d in dims[1:]:
+            inner *= d
+        i0, r0 = divmod(s, inner)
+        i1, r1 = divmod(e, inner)
+        if i0 == i1:
+            rec(prefix + [i0], dims[1:], r0, r1)
+            return
+        if r0:
+            rec(prefix + [i0], dims[1:], r0, inner)
+            i0 += 1
+        if i1 > i0:
+            boxes.append((prefix + [i0] + [0] * (len(dims) - 1), [1] * len(prefix) + [i1 - i0] + dims[1:]))
+        if r1:
+            rec(prefix + [i1], dims[1:], 0, r1)
+
+    rec([], shape, start, end)
+    return boxes
+
+
+def flat_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int], ranges_by_rank: list[list[tuple[int, int]]],
+               rank: int) -> Any:
+    """A sharded tensor of global ``shape`` whose pieces are flat ranges of its row-major order.
+
+    ``ranges_by_rank[q]`` lists the flat ranges rank ``q`` (global rank) holds, together covering
+    the tensor exactly once; ``local`` is this ``rank``'s pieces concatenated (1-D, a view into
+    the caller's storage: saving reads it, loading writes it in place). Checkpoints key it like
+    the full tensor, so it reloads under any other partition, or as a plain tensor.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    shape = list(shape)
+    device = local.device
+    metas, shards = [], []
+    for q, ranges in enumerate(ranges_by_rank):
+        offset = 0
+        for start, end in ranges:
+            for offs, sizes in flat_range_boxes(shape, start, end):
+                n = 1
+                for x in sizes:
+                    n *= x
+                meta = ShardMetadata(list(offs), list(sizes), f"rank:{q}/{device}")
+                metas.append(meta)
+                if q == rank:
+                    shards.append(Shard(local[offset:offset + n].view(sizes), meta))
+                offset += n
+    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    meta = ShardedTensorMetadata(metas, torch.Size(shape), props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
 
 
 def _short(exc: BaseException, limit: int = 800) -> str:
@@ -469,7 +568,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
     tensors: dict[str, torch.Tensor] = {}
 
-    module_sd = engine.module.state_dict()
+    module_sd = _module_tensors(engine)
     aliases = _aliases(module_sd)
     extra = {}
     for k, v in module_sd.items():
@@ -479,7 +578,9 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
             tensors[f"model/{k}"] = v.detach()
         else:  # get_extra_state() values
             extra[k] = split(v, f"model_extra/{k}", tensors)
-    optimizer_part = _save_optimizer(engine, tensors) if engine.optimizer is not None else None
+    optimizer_part = None
+    if engine.optimizer is not None:
+        optimizer_part = engine.hook.microspeed_save_optimizer_state(engine=engine, tensors=tensors)
     scheduler_part = None
     if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
         scheduler_part = split(engine.lr_scheduler.state_dict(), "lr_scheduler", tensors)
@@ -526,7 +627,13 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     return True
 
 
-def _save_optimizer(engine: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _module_tensors(engine: Any) -> dict[str, Any]:
+    tensors = engine.hook.microspeed_checkpoint_module_tensors(engine=engine)
+    return tensors if tensors is not None else engine.module.state_dict()
+
+
+def save_optimizer_state(engine: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The default ``microspeed_save_optimizer_state``: ``optimizer.state_dict()`` keyed by FQN."""
     optimizer = engine.optimizer
     sd = optimizer.state_dict()
     fqns = _optimizer_fqns(optimizer, optimizer_param_names(engine))
@@ -568,14 +675,15 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
             return None, {}
     tag_dir = os.path.join(load_dir, str(tag))
     manifest = read_manifest(tag_dir)
-    reader = _Reader(tag_dir, read_tensor_index(tag_dir))
+    reader = Reader(tag_dir, read_tensor_index(tag_dir), manifest)
     rank = comm.get_rank()
     after: list[Callable[[], None]] = []
 
-    model_params = _load_module(engine, manifest, reader, tag_dir, load_module_strict, after)
+    _load_module(engine, manifest, reader, tag_dir, load_module_strict, after)
     load_opt = load_optimizer_states and not load_module_only and manifest.get("optimizer") is not None
     if engine.optimizer is not None:
-        _load_optimizer(engine, manifest, reader, tag_dir, load_opt, load_module_strict, model_params, after)
+        engine.hook.microspeed_load_optimizer_state(engine=engine, saved=manifest.get("optimizer"), reader=reader,
+                                                    load_states=load_opt, strict=load_module_strict, after=after)
     if (load_lr_scheduler_states and not load_module_only and engine.lr_scheduler is not None
             and manifest.get("lr_scheduler") is not None):
         tree = _fresh_refs(manifest["lr_scheduler"], reader)
@@ -597,7 +705,7 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
     return tag_dir, client_tree()
 
 
-def _fresh_refs(tree: Any, reader: _Reader) -> Callable[[], Any]:
+def _fresh_refs(tree: Any, reader: Reader) -> Callable[[], Any]:
     """Allocate a tensor for each :class:`TensorRef` of ``tree``; returns the joiner to call after reading."""
     loaded = {ref.key: reader.fresh(ref.key) for ref in tensor_refs(tree) if reader.has(ref.key)}
     missing = [ref.key for ref in tensor_refs(tree) if ref.key not in loaded]
@@ -607,13 +715,13 @@ def _fresh_refs(tree: Any, reader: _Reader) -> Callable[[], Any]:
     return lambda: join(tree, loaded)
 
 
-def _load_module(engine: Any, manifest: dict, reader: _Reader, tag_dir: str, strict: bool,
-                 after: list[Callable[[], None]]) -> dict[str, torch.Tensor]:
-    """Plan reading the module's tensors; return its parameters by name (masters refresh from them)."""
+def _load_module(engine: Any, manifest: dict, reader: Reader, tag_dir: str, strict: bool,
+                 after: list[Callable[[], None]]) -> None:
+    """Plan reading the module's tensors (into what ``microspeed_checkpoint_module_tensors`` presents)."""
     model = manifest["model"]
     saved_aliases: dict[str, str] = model.get("aliases", {})
     saved = set(model["keys"])
-    current = engine.module.state_dict()
+    current = _module_tensors(engine)
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in model["keys"] if k not in current]
     if missing or unexpected:
@@ -636,11 +744,12 @@ def _load_module(engine: Any, manifest: dict, reader: _Reader, tag_dir: str, str
         reader.into(key, t, k)
     if extra:
         after.append(lambda: engine.module.load_state_dict({k: f() for k, f in extra.items()}, strict=False))
-    return dict(engine.module.named_parameters())
 
 
-def _load_optimizer(engine: Any, manifest: dict, reader: _Reader, tag_dir: str, load_opt: bool, strict: bool,
-                    model_params: dict[str, torch.Tensor], after: list[Callable[[], None]]) -> None:
+def load_optimizer_state(engine: Any, saved: dict | None, reader: Reader, load_states: bool, strict: bool,
+                         after: list[Callable[[], None]]) -> bool:
+    """The default ``microspeed_load_optimizer_state``: masters, then ``optimizer.load_state_dict``."""
+    manifest, tag_dir, load_opt = reader.manifest, reader.tag_dir, load_states and saved is not None
     optimizer = engine.optimizer
     fqns = _optimizer_fqns(optimizer, optimizer_param_names(engine))
     flat = [p for group in optimizer.param_groups for p in group["params"]]
@@ -655,8 +764,7 @@ def _load_optimizer(engine: Any, manifest: dict, reader: _Reader, tag_dir: str, 
             src = manifest["model"].get("aliases", {}).get(fqn, fqn)
             reader.into(f"model/{src}", p.data, f"master {fqn}")
     if not load_opt:
-        return
-    saved = manifest["optimizer"]
+        return True
     current = optimizer.state_dict()
     if len(saved["param_groups"]) != len(current["param_groups"]):
         raise CheckpointError(f"load_checkpoint: {tag_dir}: the optimizer has {len(current['param_groups'])} "
@@ -688,6 +796,7 @@ def _load_optimizer(engine: Any, manifest: dict, reader: _Reader, tag_dir: str, 
         optimizer.load_state_dict({"state": {i: tree() for i, tree in state_trees.items()}, "param_groups": groups})
 
     after.append(apply)
+    return True
 
 
 def _load_counters(engine: Any, manifest: dict) -> None:
@@ -717,7 +826,7 @@ def get_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torc
     """
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     manifest = read_manifest(tag_dir)
-    reader = _Reader(tag_dir, read_tensor_index(tag_dir))
+    reader = Reader(tag_dir, read_tensor_index(tag_dir))
     model = manifest["model"]
     aliases = model.get("aliases", {})
     loaded: dict[str, torch.Tensor] = {}
@@ -744,9 +853,16 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
     As DeepSpeed's ``save_16bit_model``: a plain ``torch.save`` file (``.safetensors`` when the
     name ends so and the package is installed). Every rank calls it; returns ``True``.
     """
+    full = engine.hook.microspeed_consolidated_state_dict(engine=engine)
+    if full is None:
+        full = engine.module.state_dict()
+    if "__skip__" in full:
+        warnings.warn(f"save_16bit_model: nothing saved: {full['__skip__']}", CheckpointWarning, stacklevel=3)
+        comm.barrier()
+        return False
     if comm.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
-        state = {k: v.detach().cpu() for k, v in engine.module.state_dict().items() if isinstance(v, torch.Tensor)}
+        state = {k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)}
         path = os.path.join(save_dir, save_filename)
         save_state_dict_file(state, path)
     comm.barrier()

@@ -99,8 +99,21 @@ only when used, so ``microspeed --help`` stays fast.
 """
 
 
+COMMAND_ENTRY_POINT_GROUP = "microspeed.commands"
+"""Entry-point group through which plugin distributions add sub-commands (``name = "module:function"``)."""
+
+
+def _commands() -> dict:
+    from importlib import metadata
+
+    found = dict(COMMANDS)
+    for ep in metadata.entry_points(group=COMMAND_ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
 def _command(name: str):
-    target = COMMANDS[name]
+    target = _commands()[name]
     if isinstance(target, str):
         import importlib
 
@@ -112,15 +125,17 @@ def _command(name: str):
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``microspeed`` command."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: microspeed {run,plugins,demo,config-keys,checkpoint,trace,plot} ...\n"
+    commands = _commands()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        extra = "".join(f"\n  {n:12s} (from a plugin: {commands[n]})" for n in commands if n not in COMMANDS)
+        print(f"usage: microspeed {{{','.join(commands)}}} ...\n"
               "  run      launch a training script on N processes (wraps torchrun)\n"
               "  plugins  list loaded plugins, their versions and hooks\n"
               "  demo     train a small GPT on 2 local CPU processes\n"
               "  config-keys  print the ds_config keys the installed plugins accept (Markdown)\n"
               "  checkpoint   consolidate / import-deepspeed checkpoints\n"
               "  trace        summary / export of hook-level traces\n"
-              "  plot         draw loss and lr curves from a csv_monitor folder")
+              "  plot         draw loss and lr curves from a csv_monitor folder" + extra)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return _command(argv[0])(argv[1:])
 

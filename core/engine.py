@@ -64,6 +64,7 @@ class Engine(torch.nn.Module):
         self.metrics: dict[str, Any] = {}
         self.ctx = StepContext()
         self._plugin_state: dict[str, Any] = {}
+        self._owners: dict[str, str] = {}
         self._last_outcome = StepOutcome(applied=False)
         self._inside_no_sync = False
         self._params: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None
@@ -77,6 +78,23 @@ class Engine(torch.nn.Module):
     def plugin_state(self, name: str, default: Any = None) -> Any:
         """The state object a plugin attached under ``name`` (``default`` if none)."""
         return self._plugin_state.get(name, default)
+
+    def claim(self, role: str, plugin: str) -> None:
+        """Record that ``plugin`` takes over ``role`` (see :data:`microspeed.hookspecs.ROLES`).
+
+        Plugins claim in ``microspeed_setup``; a default implementation of the role stands down
+        when :meth:`owner` names another plugin. Two plugins claiming one role is a
+        :class:`ConfigError` naming both.
+        """
+        holder = self._owners.get(role)
+        if holder is not None and holder != plugin:
+            raise ConfigError(f"plugins {holder!r} and {plugin!r} both take over {role!r}; disable one of them "
+                              f"(\"plugins\": {{\"disable\": [...]}}) or turn off its config section.")
+        self._owners[role] = plugin
+
+    def owner(self, role: str) -> str | None:
+        """The plugin that claimed ``role``, or ``None`` when the built-in default does it."""
+        return self._owners.get(role)
 
     # -- batch triad & counters ----------------------------------------------------------
 

@@ -23,6 +23,11 @@ Order of one training step with gradient accumulation 2 (``engine(x)``, ``engine
 
 (``*`` a chain). ``before_step``/``optimizer_step``/``after_step`` fire only at the gradient
 accumulation boundary; ``engine.step()`` between boundaries only counts the micro-step.
+
+**Roles.** Some work has a built-in default that must stand down entirely — not only lose a
+``firstresult`` race — when a plugin takes it over (autograd hooks installed at set-up, master
+weights built in ``wrap_optimizer``). A plugin takes a role with ``engine.claim(role, name)`` in
+:func:`microspeed_setup`; defaults check ``engine.owner(role)``. The roles are :data:`ROLES`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ if TYPE_CHECKING:
     from microspeed.topology import Topology
 
 PROJECT = "microspeed"
+
+ROLES = {
+    "gradient_reduction": "averaging gradients across the data-parallel group (default: data_parallel)",
+    "optimizer_step": "master weights, overflow checks and stepping the optimizer (default: mixed_precision "
+                      "for fp16/bf16, else optimizers)",
+    "parameters": "where the model's parameters live between uses (default: on the device, whole)",
+}
+"""Roles a plugin can take over with :meth:`microspeed.engine.Engine.claim`: name -> what it covers."""
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 """Marker for hook specifications (used only in this module and by plugins adding hooks)."""
@@ -277,6 +290,48 @@ def microspeed_load_checkpoint_state(engine: Engine, states: dict[str, Any]) -> 
 
     Fires after the module, the optimizer and the scheduler were restored; not with
     ``load_module_only=True``.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_checkpoint_module_tensors(engine: Engine) -> dict[str, Any] | None:
+    """Who presents the module's state (keyed as ``module.state_dict()``) to checkpoints.
+
+    The tensors returned are written on save and filled in place on load, so a plugin that
+    partitions parameters returns sharded tensors (:func:`microspeed.checkpoint.flat_shard`)
+    over its own shards. Default (``None``): ``engine.module.state_dict()``.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_save_optimizer_state(engine: Engine, tensors: dict[str, Any]) -> dict[str, Any] | None:
+    """Who writes the optimizer into a checkpoint.
+
+    Puts tensors into ``tensors`` under ``optim/<fqn>/<name>`` (and ``master/<fqn>`` for fp32
+    masters), keyed by parameter name with the parameter's full shape (sharded tensors allowed),
+    and returns the manifest part ``{"class", "param_groups" (with FQNs), "state", "masters"}``.
+    Default: the built-in ``optimizers`` plugin, from ``optimizer.state_dict()``.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_load_optimizer_state(engine: Engine, saved: dict[str, Any] | None, reader: Any, load_states: bool,
+                                    strict: bool, after: list[Any]) -> bool | None:
+    """Who plans reading the optimizer from a checkpoint; return ``True`` when planned.
+
+    ``saved`` is the manifest part :func:`microspeed_save_optimizer_state` returned (``None``
+    if the checkpoint has no optimizer). Register read targets on ``reader`` (a
+    :class:`microspeed.checkpoint.Reader`); append callables to ``after``, run once the tensors
+    are read. fp32 masters are restored even when ``load_states`` is false.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_consolidated_state_dict(engine: Engine) -> dict[str, Any] | None:
+    """Who returns the module's whole state dict on rank 0 for ``save_16bit_model`` (others: ``{}``).
+
+    Every rank calls it (gathering may be collective). Default: ``engine.module.state_dict()``.
+    Return ``{"__skip__": reason}`` to refuse (the engine then warns and returns ``False``).
     """
 
 

@@ -159,8 +159,8 @@ class DataParallelPlugin:
         """Build buckets in backward order; install overlap hooks unless buffers are elsewhere."""
         self.engine = engine
         topo = engine.topology
-        if topo.data_parallel_size == 1:
-            return
+        if topo.data_parallel_size == 1 or engine.owner("gradient_reduction") is not None:
+            return  # nothing to reduce, or another plugin (ZeRO) took reduction over
         c = self.config
         dtype = c["communication_data_type"]
         self.reducer = Reducer(topo.data_parallel_group, topo.data_parallel_size,

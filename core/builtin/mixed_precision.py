@@ -10,6 +10,10 @@ scale (:mod:`microspeed.builtin.loss_scaler`).
 ``data_types.grad_accum_dtype = "fp32"`` accumulates each micro-step's low-precision gradient
 into the fp32 master gradient (so accumulation does not round), and those fp32 buffers are what
 the data-parallel reduction averages.
+
+A plugin that claims the ``optimizer_step`` role (ZeRO) keeps its own, partitioned masters: this
+plugin then only casts the model and scales the loss, and lends its loss scaler through
+``engine.plugin_state("mixed_precision")`` (attributes ``dtype``, ``scaler``, ``accumulate_fp32``).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class MixedPrecisionPlugin:
         self.scaler: BaseLossScaler | None = None
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (model param, master)
         self.names: dict[int, str] = {}
+        self.engine: Any = None
 
     @hookimpl
     def microspeed_config_sections(self) -> dict:
@@ -92,6 +97,15 @@ class MixedPrecisionPlugin:
                                   f"{train_dtype}; accepted: the training dtype or 'fp32'.")
             self.accumulate_fp32 = True
 
+    @hookimpl
+    def microspeed_setup(self, engine) -> None:
+        """Lend the dtype and the loss scaler to plugins that step the optimizer themselves."""
+        engine.set_plugin_state("mixed_precision", self)
+        self.engine = engine
+
+    def _stepped_elsewhere(self) -> bool:
+        return self.engine is not None and self.engine.owner("optimizer_step") is not None
+
     @hookimpl(tryfirst=True)
     def microspeed_transform_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
         """Cast the model's parameters and buffers to the low-precision dtype (in place)."""
@@ -103,7 +117,7 @@ class MixedPrecisionPlugin:
     @hookimpl
     def microspeed_wrap_optimizer(self, engine, optimizer: Any) -> Any:
         """Swap the optimizer's low-precision parameters for fp32 master copies."""
-        if self.dtype is None:
+        if self.dtype is None or self._stepped_elsewhere():
             return None
         self.pairs = []
         for group in optimizer.param_groups:
@@ -136,7 +150,7 @@ class MixedPrecisionPlugin:
     @hookimpl
     def microspeed_gradient_buffers(self) -> list[torch.Tensor] | None:
         """With fp32 accumulation, the masters' fp32 gradients are the ones to reduce."""
-        if not self.accumulate_fp32:
+        if not self.accumulate_fp32 or self._stepped_elsewhere():
             return None
         return [self._master_grad(m) for _, m in self.pairs]
 
@@ -159,7 +173,7 @@ class MixedPrecisionPlugin:
     @hookimpl(tryfirst=True)
     def microspeed_optimizer_step(self, engine) -> StepOutcome | None:
         """Unscale, skip on overflow, clip, step the fp32 masters, copy them back."""
-        if self.dtype is None:
+        if self.dtype is None or self._stepped_elsewhere():
             return None
         if not self.accumulate_fp32:
             for p, m in self.pairs:

@@ -28,6 +28,21 @@ class OptimizerPlugin:
         return build_optimizer(params, config["optimizer"])
 
     @hookimpl(trylast=True)
+    def microspeed_save_optimizer_state(self, engine, tensors: dict) -> dict:
+        """Default: ``optimizer.state_dict()`` with parameters named by FQN."""
+        from microspeed.checkpoint import save_optimizer_state
+
+        return save_optimizer_state(engine, tensors)
+
+    @hookimpl(trylast=True)
+    def microspeed_load_optimizer_state(self, engine, saved, reader, load_states: bool, strict: bool,
+                                        after: list) -> bool:
+        """Default: fp32 masters by FQN, then ``optimizer.load_state_dict``."""
+        from microspeed.checkpoint import load_optimizer_state
+
+        return load_optimizer_state(engine, saved, reader, load_states, strict, after)
+
+    @hookimpl(trylast=True)
     def microspeed_optimizer_step(self, engine) -> StepOutcome:
         """Clip by the global norm, then step."""
         grads = [p.grad for g in engine.optimizer.param_groups for p in g["params"] if p.grad is not None]
