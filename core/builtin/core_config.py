@@ -11,7 +11,7 @@ class CoreConfigPlugin:
 
     @hookimpl
     def microspeed_config_sections(self) -> dict:
-        """The batch triad, ``plugins.disable`` and compatibility flags."""
+        """The batch triad and ``plugins.disable``."""
         return {
             "train_batch_size": Field((int,), None, "samples per optimizer step, all ranks", positive, auto=True),
             "train_micro_batch_size_per_gpu": Field((int,), None, "samples per forward on one rank",
@@ -20,6 +20,4 @@ class CoreConfigPlugin:
                                                  positive, auto=True),
             "plugins": Section({"disable": Field((list,), [], "plugin names not to load")},
                                doc="plugin selection"),
-            "zero_allow_untested_optimizer": Field(
-                (bool,), True, "accepted for DeepSpeed compatibility: every optimizer is allowed"),
         }

@@ -1,0 +1,623 @@
+"""NVMe swap storage for ZeRO-Infinity-style offload: CPU tensors kept in files, moved asynchronously.
+
+:class:`TensorFileStore` keeps named tensors in files under one folder, **one file per key**
+(``<folder>/<number>-<sanitised key>.swp``, raw bytes in native byte order, no header; the
+metadata — numel and dtype — lives in the store object, so the files are swap space, not a
+checkpoint format). Any file system path works: no libaio, no ``O_DIRECT``, no GPU. I/O runs on a
+:class:`concurrent.futures.ThreadPoolExecutor`; each transfer is split into ``block_size`` chunks
+so that several threads move one large tensor in parallel, with ``os.pread``/``os.pwrite`` (the GIL
+is released during the system call) straight into or out of the memory of a contiguous CPU
+tensor, through a byte view (so bf16 and every other dtype work alike). Swap files are not fsynced.
+
+Ordering: operations on the same key keep their submission order (a read waits for an earlier
+write of that key, a write for earlier reads and writes of it); operations on different keys run
+concurrently unless ordered explicitly with ``after=``.
+
+Errors of asynchronous operations are raised by :meth:`SwapHandle.wait` as :class:`SwapError`
+(an :class:`OSError` keeping the ``errno``) whose message names the key and the file. Files are
+removed by :meth:`TensorFileStore.close`, when the store is garbage-collected, or at interpreter
+exit (``weakref.finalize``), whichever comes first.
+
+:class:`Prefetcher` streams groups of equal-layout tensors (e.g. ``[master_i, exp_avg_i,
+exp_avg_sq_i]``) through a fixed number of in-memory slots: reads of the next groups overlap the
+caller's work on the current one, and finished groups are written back asynchronously.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import errno as errno_mod
+import os
+import re
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Prefetcher", "SwapError", "SwapHandle", "TensorFileStore", "rank_folder"]
+
+#: Sub-folder of ``nvme_path`` that holds the per-rank swap folders.
+SWAP_SUBDIR = "microspeed_zero"
+
+
+def rank_folder(nvme_path: str, rank: int) -> str:
+    """The swap folder of one rank of this process: ``<nvme_path>/microspeed_zero/rank<r>-<pid>``.
+
+    The process id keeps two jobs (or a crashed job and its restart) sharing one ``nvme_path``
+    from touching each other's files.
+    """
+    return os.path.join(nvme_path, SWAP_SUBDIR, f"rank{int(rank)}-{os.getpid()}")
+
+
+class SwapError(OSError):
+    """A failed swap read or write; the message names the key and the file.
+
+    ``errno`` is the one of the underlying :class:`OSError` (``None`` for other failures), the
+    original exception is chained as ``__cause__``; ``key``, ``path`` and ``op`` say what failed.
+    """
+
+    def __init__(self, op: str, key: str, path: str, cause: BaseException) -> None:
+        code = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        reason = reason or type(cause).__name__
+        message = f"NVMe swap {op} of key {key!r} (file {path!r}) failed: {reason}"
+        if code is None:
+            super().__init__(message)
+        else:
+            super().__init__(code, message)
+        self.op = op
+        self.key = key
+        self.path = path
+
+
+def _byte_view(tensor: torch.Tensor, what: str) -> memoryview:
+    """A writable byte memoryview sharing memory with a contiguous CPU tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what} must be a CPU tensor (got device {tensor.device}); copy it to the host first")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous; call .contiguous() first")
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class _Entry:
+    key: str
+    path: str
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _element_size(self.dtype)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+class SwapHandle:
+    """One asynchronous read or write, as returned by :meth:`TensorFileStore.read_async` / ``write_async``.
+
+    The tensor passed to the call must stay untouched (and alive — the handle keeps a reference)
+    until :meth:`wait` returns.
+    """
+
+    def __init__(self, op: str, key: str, path: str, keepalive: object) -> None:
+        self.op = op
+        self.key = key
+        self.path = path
+        self._keepalive: object = keepalive
+        self._futures: list[cf.Future[None]] = []
+        self._remaining = 0
+        self._lock = threading.Lock()
+        self._on_done: list[Callable[[SwapHandle], None]] = []
+
+    def _attach(self, futures: list[cf.Future[None]]) -> None:
+        self._futures = futures
+        self._remaining = len(futures)
+        for future in futures:
+            future.add_done_callback(self._chunk_done)
+
+    def _chunk_done(self, _future: cf.Future[None]) -> None:
+        with self._lock:
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._keepalive = None
+            for callback in self._on_done:
+                callback(self)
+
+    def done(self) -> bool:
+        """Whether every chunk of the transfer has finished (successfully or not)."""
+        return all(f.done() for f in self._futures)
+
+    def _join(self, timeout: float | None = None) -> bool:
+        """Wait for completion without raising the transfer's error; False on timeout."""
+        _, not_done = cf.wait(self._futures, timeout=timeout)
+        return not not_done
+
+    def exception(self) -> SwapError | None:
+        """The error of a finished transfer (``None`` when it succeeded); waits for it to finish."""
+        self._join()
+        for future in self._futures:
+            exc = future.exception()
+            if exc is not None:
+                err = SwapError(self.op, self.key, self.path, exc)
+                err.__cause__ = exc
+                return err
+        return None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the transfer finished; raise :class:`SwapError` naming the key and file if it failed.
+
+        All chunks are waited for before an error is raised, so the tensor is quiet afterwards.
+        A :class:`TimeoutError` is raised when ``timeout`` seconds pass first.
+        """
+        if not self._join(timeout):
+            raise TimeoutError(f"NVMe swap {self.op} of key {self.key!r} (file {self.path!r}) "
+                               f"not finished after {timeout} s")
+        err = self.exception()
+        if err is not None:
+            raise err
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"SwapHandle({self.op} {self.key!r}, {state})"
+
+
+def _cleanup(pool: cf.ThreadPoolExecutor, entries: dict[str, _Entry], dirs: list[str], remove: bool) -> None:
+    """Finalizer of a :class:`TensorFileStore`: stop the pool, then delete its files and the folders it made."""
+    pool.shutdown(wait=True, cancel_futures=False)
+    if not remove:
+        return
+    for entry in list(entries.values()):
+        try:
+            os.unlink(entry.path)
+        except OSError:
+            pass
+    entries.clear()
+    for folder in dirs:  # deepest first; only folders this store created, only when empty
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
+
+
+class TensorFileStore:
+    """Named tensors in files under ``folder``, one file per key, moved by a thread pool.
+
+    ``folder`` is used as given and created if missing (see :func:`rank_folder` for the per-rank,
+    per-process name the offload code uses). Files are named ``<n>-<key>.swp`` (the key
+    sanitised to a safe file name, ``n`` making it unique) and hold raw tensor bytes; they and the
+    folders this store created are removed on :meth:`close` (or when the store is collected, or at
+    interpreter exit). ``threads`` workers move ``block_size``-byte chunks; a tensor larger than
+    one block is transferred by several workers at once.
+    """
+
+    def __init__(self, folder: str, threads: int = 2, block_size: int = 1 << 20) -> None:
+        if int(threads) < 1:
+            raise ValueError(f"TensorFileStore threads must be >= 1, got {threads}")
+        if int(block_size) < 1:
+            raise ValueError(f"TensorFileStore block_size must be >= 1 byte, got {block_size}")
+        self.folder = os.path.abspath(folder)
+        self.threads = int(threads)
+        self.block_size = int(block_size)
+        created: list[str] = []
+        probe = self.folder
+        while probe and not os.path.exists(probe):
+            created.append(probe)
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot create the NVMe swap folder {self.folder!r}: {exc.strerror or exc}") \
+                from exc
+        self._entries: dict[str, _Entry] = {}
+        self._pending: dict[str, list[tuple[SwapHandle, bool]]] = {}
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._closed = False
+        self._pool = cf.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="microspeed-nvme")
+        self._finalizer = weakref.finalize(self, _cleanup, self._pool, self._entries, created, True)
+
+    # -- metadata -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the NVMe swap store at {self.folder!r} is closed")
+
+    def _entry(self, key: str) -> _Entry:
+        try:
+            return self._entries[key]
+        except KeyError:
+            raise KeyError(f"no tensor {key!r} in the NVMe swap store at {self.folder!r}; "
+                           f"allocate() or write it first") from None
+
+    def _new_entry(self, key: str, numel: int, dtype: torch.dtype) -> _Entry:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"swap keys are non-empty strings, got {key!r}")
+        if int(numel) < 0:
+            raise ValueError(f"numel of {key!r} must be >= 0, got {numel}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype of {key!r} must be a torch.dtype, got {dtype!r}")
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", key)[:100]
+        with self._lock:
+            self._counter += 1
+            path = os.path.join(self.folder, f"{self._counter:06d}-{safe}.swp")
+            entry = _Entry(key, path, int(numel), dtype)
+            self._entries[key] = entry
+        return entry
+
+    def _matching(self, key: str, tensor: torch.Tensor, what: str) -> _Entry:
+        entry = self._entry(key)
+        if tensor.numel() != entry.numel or tensor.dtype != entry.dtype:
+            raise ValueError(f"{what} for swap key {key!r} has numel {tensor.numel()} and dtype {tensor.dtype}; "
+                             f"the key holds numel {entry.numel} and dtype {entry.dtype}")
+        return entry
+
+    def allocate(self, key: str, numel: int, dtype: torch.dtype) -> None:
+        """Reserve a (sparse, zero-reading) file for ``numel`` elements of ``dtype`` under ``key``.
+
+        Raises :class:`ValueError` if the key exists with another size or dtype, :class:`SwapError`
+        naming the key and file if the file cannot be created.
+        """
+        self._check_open()
+        if key in self._entries:
+            entry = self._entries[key]
+            if entry.numel != int(numel) or entry.dtype != dtype:
+                raise ValueError(f"swap key {key!r} already holds numel {entry.numel} dtype {entry.dtype}; "
+                                 f"cannot re-allocate it as numel {numel} dtype {dtype} (remove() it first)")
+            return
+        entry = self._new_entry(key, numel, dtype)
+        try:
+            fd = os.open(entry.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, entry.nbytes)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            with self._lock:
+                self._entries.pop(key, None)
+            raise SwapError("allocate", key, entry.path, exc) from exc
+
+    def numel(self, key: str) -> int:
+        """The number of elements stored under ``key`` (:class:`KeyError` if unknown)."""
+        return self._entry(key).numel
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype stored under ``key`` (:class:`KeyError` if unknown)."""
+        return self._entry(key).dtype
+
+    def path(self, key: str) -> str:
+        """The file that holds ``key`` (:class:`KeyError` if unknown)."""
+        return self._entry(key).path
+
+    def keys(self) -> list[str]:
+        """The keys of this store, in the order they were first allocated or written."""
+        return list(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def bytes_on_disk(self) -> int:
+        """Total logical size of the swap files (numel × element size over all keys).
+
+        Allocated-but-unwritten files are sparse on most file systems, so the blocks actually
+        used may be fewer.
+        """
+        return sum(entry.nbytes for entry in self._entries.values())
+
+    # -- transfers ----------------------------------------------------------------------------
+
+    def _read_chunk(self, path: str, view: memoryview, offset: int) -> None:
+        """Fill ``view`` from ``path`` at byte ``offset`` (one chunk; runs on a pool thread)."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise OSError(errno_mod.EIO, f"unexpected end of file at byte {offset + done} "
+                                                 f"(file shorter than the {offset + len(view)} bytes expected)")
+                done += n
+        finally:
+            os.close(fd)
+
+    def _write_chunk(self, path: str, view: memoryview, offset: int) -> None:
+        """Write ``view`` to ``path`` at byte ``offset``, creating the file (one chunk; runs on a pool thread)."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        finally:
+            os.close(fd)
+
+    def _submit(self, op: str, entry: _Entry, tensor: torch.Tensor, view: memoryview,
+                after: Iterable[SwapHandle]) -> SwapHandle:
+        is_write = op == "write"
+        handle = SwapHandle(op, entry.key, entry.path, tensor)
+        with self._lock:
+            earlier = [h for h, w in self._pending.get(entry.key, ()) if (w or is_write) and not h.done()]
+            self._pending.setdefault(entry.key, []).append((handle, is_write))
+        deps = [*earlier, *after]
+        io = self._write_chunk if is_write else self._read_chunk
+        path = entry.path
+
+        def job(start: int, stop: int) -> None:
+            for dep in deps:
+                dep._join()
+            io(path, view[start:stop], start)
+
+        handle._on_done.append(self._forget)
+        size = len(view)
+        bounds = [(s, min(s + self.block_size, size)) for s in range(0, size, self.block_size)] or [(0, 0)]
+        handle._attach([self._pool.submit(job, s, e) for s, e in bounds])
+        return handle
+
+    def _forget(self, handle: SwapHandle) -> None:
+        with self._lock:
+            pending = self._pending.get(handle.key)
+            if pending is not None:
+                pending[:] = [(h, w) for h, w in pending if h is not handle]
+                if not pending:
+                    del self._pending[handle.key]
+
+    def write_async(self, key: str, tensor: torch.Tensor, after: Sequence[SwapHandle] = ()) -> SwapHandle:
+        """Start writing ``tensor`` (contiguous, CPU) under ``key``; allocates the key on first use.
+
+        ``tensor`` must not be modified until the returned handle's :meth:`~SwapHandle.wait`.
+        ``after``: handles that must finish before this write starts (e.g. the read that last used
+        the buffer). Raises :class:`ValueError` at once if the key holds another numel or dtype.
+        """
+        self._check_open()
+        view = _byte_view(tensor, f"tensor written to swap key {key!r}")
+        if key not in self._entries:
+            self._new_entry(key, tensor.numel(), tensor.dtype)
+        entry = self._matching(key, tensor, "tensor written")
+        return self._submit("write", entry, tensor, view, after)
+
+    def read_async(self, key: str, out: torch.Tensor, after: Sequence[SwapHandle] = ()) -> SwapHandle:
+        """Start filling ``out`` (contiguous, CPU, the key's numel and dtype, any shape) from ``key``.
+
+        Raises :class:`KeyError` naming the key at once if it was never allocated or written.
+        ``after``: handles that must finish before this read starts (e.g. the write-back of the
+        buffer ``out`` lives in).
+        """
+        self._check_open()
+        entry = self._entry(key)
+        self._matching(key, out, "output tensor")
+        view = _byte_view(out, f"output tensor for swap key {key!r}")
+        return self._submit("read", entry, out, view, after)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write ``tensor`` under ``key`` and wait for it (see :meth:`write_async`)."""
+        self.write_async(key, tensor).wait()
+
+    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``key`` into ``out`` (a new flat tensor when ``None``), wait, and return it."""
+        if out is None:
+            entry = self._entry(key)
+            out = torch.empty(entry.numel, dtype=entry.dtype)
+        self.read_async(key, out).wait()
+        return out
+
+    def remove(self, key: str) -> None:
+        """Forget ``key`` and delete its file, after its pending transfers finished."""
+        entry = self._entry(key)
+        with self._lock:
+            pending = [h for h, _ in self._pending.get(key, ())]
+        for handle in pending:
+            handle._join()
+        with self._lock:
+            self._entries.pop(key, None)
+        try:
+            os.unlink(entry.path)
+        except FileNotFoundError:
+            pass
+
+    def synchronize(self) -> None:
+        """Wait for every pending transfer; raise the first failure (as :class:`SwapError`)."""
+        with self._lock:
+            pending = [h for hs in self._pending.values() for h, _ in hs]
+        first: SwapError | None = None
+        for handle in pending:
+            err = handle.exception()
+            first = first or err
+        if first is not None:
+            raise first
+
+    def pending(self) -> int:
+        """The number of transfers submitted and not yet finished."""
+        with self._lock:
+            return sum(1 for hs in self._pending.values() for h, _ in hs if not h.done())
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self, remove: bool = True) -> None:
+        """Wait for pending I/O (errors not raised here: they belong to their handles), stop the threads,
+        and, when ``remove``, delete the files and the folders this store created. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = [h for hs in self._pending.values() for h, _ in hs]
+        for handle in pending:
+            handle._join()
+        if remove:
+            self._finalizer()
+        else:
+            self._finalizer.detach()
+            _cleanup(self._pool, self._entries, [], remove=False)
+
+    def __enter__(self) -> TensorFileStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"TensorFileStore({self.folder!r}, keys={len(self._entries)}, bytes={self.bytes_on_disk()}, "
+                f"threads={self.threads}, block_size={self.block_size}{', closed' if self._closed else ''})")
+
+
+_ALIGN = 64
+
+
+class Prefetcher:
+    """Streams groups of tensors through ``buffer_count`` in-memory slots: read ahead, hand out, write back.
+
+    ``groups`` lists keys of ``store``; each group is handed out as a list of flat tensors (one per
+    key, the key's numel and dtype), viewing one slot. While the caller works on group ``i``, the
+    reads of groups ``i+1 .. i+buffer_count-1`` are in flight; when the caller advances, group
+    ``i`` is written back asynchronously if it was marked with :meth:`mark_dirty` (or always, with
+    ``writeback=True``), and its slot then receives group ``i+buffer_count`` — that read is queued
+    behind the write, so a slot is reused only once its write completed. Iterating to the end
+    waits for every write-back and raises the first failure; leaving the loop early writes back
+    the current group if dirty and waits for all I/O before returning.
+
+    Slots are allocated once, at construction (per position in a group: the largest tensor at
+    that position over all groups), and reused by every iteration — the resident memory is
+    :meth:`resident_bytes`, at most ``buffer_count`` slots, never the whole store. ``buffers``
+    supplies the slots instead (e.g. pinned memory): one list of contiguous CPU tensors per slot,
+    one tensor per group position, large enough in bytes for every group; their count overrides
+    ``buffer_count``. The handed-out tensors are valid only until the caller advances.
+    """
+
+    def __init__(self, store: TensorFileStore, groups: list[list[str]],
+                 buffers: list[list[torch.Tensor]] | None = None, buffer_count: int = 2,
+                 writeback: bool = False) -> None:
+        if buffers is None and int(buffer_count) < 1:
+            raise ValueError(f"Prefetcher buffer_count must be >= 1, got {buffer_count}")
+        self.store = store
+        self.groups = [list(g) for g in groups]
+        self.writeback = bool(writeback)
+        self._layouts: list[list[tuple[int, torch.dtype, int]]] = []
+        for group in self.groups:
+            layout = []
+            for key in group:
+                entry = store._entry(key)
+                layout.append((entry.numel, entry.dtype, entry.nbytes))
+            self._layouts.append(layout)
+        width = max((len(g) for g in self.groups), default=0)
+        if buffers is None:
+            sizes = [max((lay[j][2] for lay in self._layouts if j < len(lay)), default=0) for j in range(width)]
+            sizes = [-(-s // _ALIGN) * _ALIGN for s in sizes]
+            count = max(1, min(int(buffer_count), len(self.groups)))
+            self._slots = [[torch.empty(s, dtype=torch.uint8) for s in sizes] for _ in range(count)]
+        else:
+            if not buffers:
+                raise ValueError("Prefetcher buffers must hold at least one slot")
+            self._slots = []
+            for s, slot in enumerate(buffers):
+                if len(slot) < width:
+                    raise ValueError(f"Prefetcher buffers[{s}] has {len(slot)} tensors; groups need {width}")
+                views = []
+                for j, buf in enumerate(slot):
+                    _byte_view(buf, f"Prefetcher buffers[{s}][{j}]")
+                    views.append(buf.detach().reshape(-1).view(torch.uint8))
+                for g, lay in enumerate(self._layouts):
+                    for j, (_, _, nbytes) in enumerate(lay):
+                        if views[j].numel() < nbytes:
+                            raise ValueError(f"Prefetcher buffers[{s}][{j}] holds {views[j].numel()} bytes; "
+                                             f"group {g} key {self.groups[g][j]!r} needs {nbytes}")
+                self._slots.append(views)
+        self._current: int | None = None
+        self._dirty = False
+        self._active = False
+
+    @property
+    def buffer_count(self) -> int:
+        """The number of slots."""
+        return len(self._slots)
+
+    def resident_bytes(self) -> int:
+        """Bytes of host memory the slots occupy (constant: they are allocated once)."""
+        return sum(t.numel() for slot in self._slots for t in slot)
+
+    def mark_dirty(self) -> None:
+        """Mark the group currently handed out as modified: it is written back when the caller advances."""
+        if self._current is None:
+            raise RuntimeError("Prefetcher.mark_dirty() is called while iterating, on the group handed out")
+        self._dirty = True
+
+    def _views(self, slot: int, group: int) -> list[torch.Tensor]:
+        buffers = self._slots[slot]
+        return [buffers[j][:nbytes].view(dtype) for j, (_, dtype, nbytes) in enumerate(self._layouts[group])]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def __iter__(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Yield ``(group_index, tensors)`` for every group in order (see the class docstring)."""
+        return self._run()
+
+    def _run(self) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        if self._active:
+            raise RuntimeError("this Prefetcher is already being iterated; its slots cannot serve two loops")
+        self._active = True
+        store, groups = self.store, self.groups
+        n, count = len(groups), len(self._slots)
+        reads: dict[int, tuple[list[torch.Tensor], list[SwapHandle]]] = {}
+        writes: list[list[SwapHandle]] = [[] for _ in range(count)]
+
+        def issue(i: int) -> None:
+            slot = i % count
+            views = self._views(slot, i)
+            after = writes[slot]
+            reads[i] = (views, [store.read_async(k, v, after=after) for k, v in zip(groups[i], views, strict=True)])
+
+        try:
+            for i in range(min(count, n)):
+                issue(i)
+            for i in range(n):
+                slot = i % count
+                views, handles = reads[i]
+                for handle in handles:
+                    handle.wait()
+                del reads[i]  # only now: on a failure above, the drain below waits for its siblings
+                for handle in writes[slot]:  # the read waited for it; surface its error now
+                    handle.wait()
+                writes[slot] = []
+                self._current, self._dirty = i, False
+                try:
+                    yield i, views
+                finally:
+                    if self._dirty or self.writeback:
+                        writes[slot] = [store.write_async(k, v) for k, v in zip(groups[i], views, strict=True)]
+                    self._current, self._dirty = None, False
+                if i + count < n:
+                    issue(i + count)
+            for pending in writes:
+                for handle in pending:
+                    handle.wait()
+        except BaseException as exc:
+            # Leave no transfer running into or out of the slots, whatever the reason we stop.
+            for _, handles in reads.values():
+                for handle in handles:
+                    handle._join()
+            errors = [h.exception() for pending in writes for h in pending]
+            first = next((e for e in errors if e is not None), None)
+            if isinstance(exc, GeneratorExit) and first is not None:
+                raise first from None  # the caller left early: its write-back failed
+            raise
+        finally:
+            self._active = False

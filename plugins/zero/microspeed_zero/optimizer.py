@@ -1,0 +1,125 @@
+"""The ZeRO optimizer: the user's optimizer, stepping only this rank's slice of every segment.
+
+:class:`ZeroOptimizer` is what ``initialize()`` returns as the optimizer. Its ``param_groups``
+are the user's groups (the LR scheduler and ``engine.get_lr()`` read and write them as usual);
+underneath, an *inner* optimizer of the same class and hyper-parameters steps 1-D fp32 views
+("runs") of this rank's master partition, one run per stretch of a segment slice whose
+parameters share a param group. The optimizer state is therefore partitioned by construction:
+1/N of the elements on each rank.
+
+Masters: with fp16/bf16 the fp32 master partition is a separate tensor; with fp32 (and no
+offload) the master *is* the rank's slice of the parameters themselves, so nothing is copied.
+With ``offload_optimizer`` the masters, their gradients and the optimizer state live in CPU
+memory (or stream from NVMe, :mod:`microspeed_zero.swap`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from microspeed.errors import ConfigError
+
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
+)
+"""Optimizers whose update of an element depends only on that element (and a step count): they give
+the same result on any partition of a flat tensor, so ZeRO can run them on slices."""
+
+
+def check_partitionable(optimizer: Any, allow_untested: bool) -> None:
+    """Refuse an optimizer whose update mixes elements (LAMB's trust ratio, Adafactor's factoring)."""
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or allow_untested:
+        return
+    raise ConfigError(
+        f"zero_optimization.stage >= 1 with the optimizer {type(optimizer).__name__}: ZeRO runs the optimizer on "
+        f"slices of flattened parameters, which is exact only for element-wise optimizers "
+        f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). Use one of those, stage 0, or set "
+        f"\"zero_allow_untested_optimizer\": true if {type(optimizer).__name__} is element-wise.")
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """The user's optimizer over this rank's partitions (see the module docstring).
+
+    ``step()`` is driven by the engine (``engine.step()``); calling it directly does the same
+    (overflow check, unscale, clip, step, gather) through :class:`microspeed_zero.runtime.ZeroRuntime`.
+    """
+
+    def __init__(self, base: torch.optim.Optimizer, runtime: Any) -> None:
+        self.base_class = type(base)
+        self.runtime = runtime
+        self.defaults = dict(base.defaults)
+        self.param_groups = base.param_groups  # the user's groups: schedulers adjust these
+        self.state = {}  # the real state is the inner optimizer's (partitioned)
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+        self._optimizer_state_dict_pre_hooks = {}
+        self._optimizer_state_dict_post_hooks = {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        self._zero_grad_profile_name = "Optimizer.zero_grad#ZeroOptimizer.zero_grad"
+        self.inner: torch.optim.Optimizer | None = None
+        self.runs: list[tuple[Any, int, int, int, torch.Tensor]] = []  # (segment, group, start, end, view)
+        self.applied_steps = 0
+
+    def build_inner(self, masters: dict[int, torch.Tensor]) -> None:
+        """Make the inner optimizer over 1-D views of ``masters`` (segment index -> fp32 slice)."""
+        per_group: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
+        self.runs = []
+        for seg in self.runtime.segments:
+            master = masters.get(seg.index)
+            if master is None:
+                continue
+            for g, start, end in seg.runs(seg.rank):
+                view = master[start:end]
+                per_group[g].append(view)
+                self.runs.append((seg, g, start, end, view))
+        groups = []
+        for g, group in enumerate(self.param_groups):
+            params = per_group[g] or [torch.zeros(0, device=self.runtime.master_device)]
+            groups.append({**_hyper(group), "params": params})
+        accepted = inspect.signature(self.base_class.__init__).parameters
+        kwargs = {k: v for k, v in self.defaults.items() if k in accepted}
+        self.inner = self.base_class(groups, **kwargs)
+
+    def sync_hyperparameters(self) -> None:
+        """Copy the user's group settings (lr, betas, ...) into the inner optimizer's groups."""
+        for inner, group in zip(self.inner.param_groups, self.param_groups, strict=True):
+            for k, v in group.items():
+                if k != "params":
+                    inner[k] = v
+
+    def step(self, closure: Any = None) -> Any:
+        """Step through the engine's ZeRO runtime (overflow check, clip, step, gather)."""
+        loss = closure() if closure is not None else None
+        self.runtime.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient partitions (and stage 1's whole-gradient buffers)."""
+        self.runtime.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Refused: a ZeRO optimizer's state is partitioned; use ``engine.save_checkpoint``."""
+        raise RuntimeError("ZeroOptimizer.state_dict(): the state is partitioned across ranks; save it with "
+                           "engine.save_checkpoint(dir) (any stage and world size can load it), or read one "
+                           "parameter's state with microspeed.zero.safe_get_full_optimizer_state(param, name).")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refused: load through ``engine.load_checkpoint``."""
+        raise RuntimeError("ZeroOptimizer.load_state_dict(): load ZeRO optimizer state with "
+                           "engine.load_checkpoint(dir).")
+
+    def run_states(self) -> list[dict[str, Any]]:
+        """The inner optimizer's state of each run (in :attr:`runs` order)."""
+        return [self.inner.state.get(view, {}) for *_, view in self.runs]
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.runtime.cfg.stage}, {self.base_class.__name__}, runs={len(self.runs)})"

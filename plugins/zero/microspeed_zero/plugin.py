@@ -1,0 +1,160 @@
+"""The ``zero`` plugin: answers "who reduces gradients / steps the optimizer / owns parameters".
+
+Active when ``zero_optimization.stage`` >= 1. It claims the ``gradient_reduction`` and
+``optimizer_step`` roles (stage 3 also ``parameters``), so the built-in data-parallel reducer and
+the mixed-precision masters stand down; mixed precision still casts the model and scales the
+loss, and its loss scaler is used here. All state lives in a
+:class:`microspeed_zero.runtime.ZeroRuntime` on the engine (``engine.plugin_state("zero")``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from microspeed.config import Field
+from microspeed.errors import ConfigError
+from microspeed.hookspecs import StepOutcome, hookimpl
+from microspeed_zero import checkpointing
+from microspeed_zero.config import ZeroConfig, zero_section
+from microspeed_zero.optimizer import check_partitionable
+from microspeed_zero.runtime import ZeroRuntime
+
+
+class ZeroPlugin:
+    """ZeRO stages 1–3 and ZeRO-Offload (one instance per engine)."""
+
+    def __init__(self) -> None:
+        self.cfg: ZeroConfig | None = None
+        self.rt: ZeroRuntime | None = None
+        self.config: Any = None
+
+    @hookimpl
+    def microspeed_config_sections(self) -> dict:
+        """``zero_optimization`` and DeepSpeed's two top-level ZeRO switches."""
+        return {
+            "zero_optimization": zero_section(),
+            "zero_allow_untested_optimizer": Field((bool,), False, "allow a ZeRO optimizer not known to be "
+                                                   "element-wise (you vouch that it is)"),
+            "zero_force_ds_cpu_optimizer": Field((bool,), True, "with offload_optimizer, refuse a client optimizer "
+                                                 "other than Adam/AdamW (which run as the fast CPU Adam)"),
+        }
+
+    @hookimpl
+    def microspeed_configure(self, config) -> None:
+        """Parse the section; refuse combinations we cannot serve."""
+        self.config = config
+        self.cfg = ZeroConfig.from_config(config)
+
+    def _active(self) -> bool:
+        return self.rt is not None
+
+    @hookimpl
+    def microspeed_setup(self, engine) -> None:
+        """Stage >= 1: claim the roles and attach the runtime."""
+        if self.cfg is None or self.cfg.stage == 0:
+            return
+        engine.claim("gradient_reduction", "zero")
+        engine.claim("optimizer_step", "zero")
+        if self.cfg.stage == 3:
+            engine.claim("parameters", "zero")
+        self.rt = ZeroRuntime(engine, self.cfg)
+        engine.set_plugin_state("zero", self.rt)
+
+    @hookimpl
+    def microspeed_after_model_ready(self, engine, model: torch.nn.Module) -> None:
+        """Stage 3: partition the parameters now, before the optimizer is built."""
+        if self._active() and self.cfg.stage == 3:
+            self.rt.partition_parameters(model)
+
+    @hookimpl(tryfirst=True)
+    def microspeed_wrap_optimizer(self, engine, optimizer: Any) -> Any:
+        """Replace the optimizer by a :class:`ZeroOptimizer` over this rank's partitions."""
+        if not self._active():
+            return None
+        check_partitionable(optimizer, self.config["zero_allow_untested_optimizer"])
+        if (self.cfg.offload_optimizer != "none" and self.config["zero_force_ds_cpu_optimizer"]
+                and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):
+            raise ConfigError(f"zero_optimization.offload_optimizer with the optimizer {type(optimizer).__name__}: "
+                              f"the offloaded step runs a fast CPU Adam; use Adam/AdamW, or set "
+                              f"\"zero_force_ds_cpu_optimizer\": false to step {type(optimizer).__name__} on the CPU.")
+        wrapped = self.rt.wrap(optimizer)
+        self.rt.tag_parameters()
+        if self.cfg.offload_optimizer == "nvme":
+            from microspeed_zero.swap import OptimizerSwapper
+
+            self.rt.swapper = OptimizerSwapper(self.rt)
+        return wrapped
+
+    @hookimpl
+    def microspeed_after_forward(self, engine) -> None:
+        """Stage 3: record the module order; release what prefetching left gathered."""
+        if self._active() and self.rt.stage3 is not None:
+            self.rt.stage3.after_forward()
+
+    @hookimpl
+    def microspeed_before_backward(self, ctx) -> None:
+        """Stage 1: attach gradient views; stages 2, 3: refuse ``no_sync``."""
+        if self._active() and self.rt.optimizer is not None:
+            self.rt.before_backward(ctx)
+
+    @hookimpl
+    def microspeed_after_backward(self, ctx) -> None:
+        """Finish this micro-step's reductions (stages 2, 3) or fp32 accumulation (stage 1)."""
+        if self._active() and self.rt.optimizer is not None:
+            self.rt.after_backward(ctx)
+
+    @hookimpl(tryfirst=True)
+    def microspeed_reduce_gradients(self) -> bool | None:
+        """Stage 1 reduces at the boundary; stages 2, 3 already did during backward."""
+        if not self._active() or self.rt.optimizer is None:
+            return None
+        self.rt.reduce_at_boundary()
+        return True
+
+    @hookimpl(tryfirst=True)
+    def microspeed_optimizer_step(self) -> StepOutcome | None:
+        """Step this rank's partitions."""
+        if not self._active():
+            return None
+        return self.rt.step()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    @hookimpl(tryfirst=True)
+    def microspeed_checkpoint_module_tensors(self) -> dict | None:
+        """Stage 3: parameters as this rank's shards."""
+        return checkpointing.module_tensors(self.rt) if self._active() else None
+
+    @hookimpl(tryfirst=True)
+    def microspeed_save_optimizer_state(self, tensors: dict) -> dict | None:
+        """Partitioned masters and optimizer state, keyed as stage 0 keys them."""
+        if not self._active() or self.rt.optimizer is None:
+            return None
+        return checkpointing.save_optimizer(self.rt, tensors)
+
+    @hookimpl(tryfirst=True)
+    def microspeed_load_optimizer_state(self, saved, reader, load_states: bool, strict: bool, after: list) -> Any:
+        """Read masters and optimizer state straight into this rank's pieces."""
+        if not self._active() or self.rt.optimizer is None:
+            return None
+        return checkpointing.load_optimizer(self.rt, saved, reader, load_states, strict, after)
+
+    @hookimpl(tryfirst=True)
+    def microspeed_consolidated_state_dict(self, engine) -> dict | None:
+        """Stage 3: gather whole weights for ``save_16bit_model`` if allowed by the config."""
+        if not self._active() or self.rt.stage3 is None:
+            if self._active():
+                self.rt.wait_gathers()
+            return None
+        if not self.cfg.gather_16bit_weights_on_model_save:
+            return {"__skip__": "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so stage-3 "
+                                "weights stay partitioned; set it true, or save a checkpoint and consolidate it "
+                                "with `microspeed checkpoint consolidate`."}
+        return self.rt.consolidated_state_dict()
+
+    @hookimpl
+    def microspeed_optimizer_param_names(self) -> dict[int, str] | None:
+        """Nothing extra: the ZeRO optimizer presents the model's own parameters."""
+        return None

@@ -1,0 +1,472 @@
+"""One engine's ZeRO state: segments, parameter buffers, gradient partitions, masters, the step.
+
+Built by :class:`microspeed_zero.plugin.ZeroPlugin`; kept on the engine as
+``engine.plugin_state("zero")``. The life of one optimizer step:
+
+1. backward: gradients are reduced into this rank's partition (:mod:`microspeed_zero.reduce`);
+2. ``step()``: overflow check (fp16) across ranks, global norm from the partitions (squares
+   summed over the data-parallel group), one coefficient for unscaling and clipping, the inner
+   optimizer on this rank's runs, masters copied into the parameters' slice;
+3. stages 1 and 2: each segment's updated slices are all-gathered into the flat parameter
+   buffer. With ``overlap_comm`` segments are stepped in forward order, each gather launched as
+   soon as its segment is stepped, and waited for only by the forward pre-hook of the first
+   module that uses the segment: the gather runs behind the optimizer step and the next forward.
+   Stage 3 keeps only the shard (:mod:`microspeed_zero.stage3` gathers before use).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from microspeed import comm
+from microspeed.builtin.loss_scaler import has_inf_or_nan
+from microspeed.hookspecs import StepOutcome
+from microspeed_zero.config import ZeroConfig
+from microspeed_zero.optimizer import ZeroOptimizer
+from microspeed_zero.partition import Segment, cut_segments
+from microspeed_zero.reduce import GradientReducer, Scaling
+
+
+class ZeroRuntime:
+    """ZeRO stages 1–3 for one engine (see the module docstring)."""
+
+    def __init__(self, engine: Any, cfg: ZeroConfig) -> None:
+        self.engine, self.cfg, self.stage = engine, cfg, cfg.stage
+        topo = engine.topology
+        self.group = topo.data_parallel_group
+        self.world, self.rank = topo.data_parallel_size, topo.data_parallel_rank
+        self.mp_group = topo.model_parallel_group if topo.model_parallel_size > 1 else None
+        mp = engine.plugin_state("mixed_precision")
+        self.scaler = getattr(mp, "scaler", None)
+        self.accumulate_fp32 = bool(getattr(mp, "accumulate_fp32", False))
+        self.master_device = torch.device("cpu") if cfg.offload_optimizer != "none" else None
+        self.segments: list[Segment] = []
+        self.flats: dict[int, torch.Tensor] = {}  # stages 1, 2: segment -> flat parameter buffer
+        self.acc: dict[int, torch.Tensor] = {}  # gradient accumulators (see reduce.py)
+        self.masters: dict[int, torch.Tensor] = {}
+        self.gathers: dict[int, list[Any]] = {}  # segment -> pending all-gather works
+        self.optimizer: ZeroOptimizer | None = None
+        self.reducer: GradientReducer | None = None
+        self.stage3: Any = None
+        self.handles: list[Any] = []
+        self.names: dict[int, str] = {}
+        self.max_norm = float(engine.config["gradient_clipping"])
+        c = engine.config
+        self.scaling = Scaling(self.world, c["prescale_gradients"], c["gradient_predivide_factor"])
+        wire = c["communication_data_type"]
+        self.wire_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(wire)
+        self.swapper: Any = None
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live (the compute device)."""
+        return self.engine.device if self.stage < 3 else self.stage3.device
+
+    def partition_parameters(self, model: torch.nn.Module) -> None:
+        """Stage 3, before the optimizer exists: cut the model into per-module segments and shard them."""
+        from microspeed_zero.stage3 import ParameterPartitioner
+
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.stage3 = ParameterPartitioner(self, model)
+        self.segments = self.stage3.segments
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> ZeroOptimizer:
+        """Partition what the stage partitions and return the :class:`ZeroOptimizer` over it."""
+        model = self.engine.module
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        model_ids = {id(p) for p in model.parameters()}
+        foreign = [p for p in group_of if p not in model_ids]
+        if foreign:
+            from microspeed.errors import ConfigError
+
+            raise ConfigError(f"zero_optimization: the optimizer holds {len(foreign)} tensor(s) that are not "
+                              f"parameters of the model; ZeRO partitions the model's parameters — build the "
+                              f"optimizer over model.parameters() (or subsets of them).")
+        self.optimizer = ZeroOptimizer(optimizer, self)
+        if self.stage < 3:
+            self.names = {id(p): n for n, p in model.named_parameters()}
+            order = [(self.names[id(p)], p, group_of[id(p)]) for p in reversed(list(model.parameters()))
+                     if id(p) in group_of and p.requires_grad]
+            cap = self.cfg.reduce_bucket_size if self.cfg.contiguous_gradients else 1
+            self.segments = cut_segments(order, self.world, self.rank, cap)
+            self._flatten_parameters()
+        else:
+            for seg in self.segments:
+                seg.groups = [group_of.get(id(p)) if p.requires_grad else None for p in seg.params]
+        self._make_accumulators()
+        self._make_masters()
+        self.reducer = GradientReducer(self.segments, 1 if self.stage == 1 else 2, self.group, self.scaling,
+                                       self.acc, self.wire_dtype, self.cfg.reduce_scatter,
+                                       self.cfg.contiguous_gradients)
+        if self.stage3 is not None:
+            self.reducer.on_reduced = self.stage3.after_reduced
+        self._install_grad_hooks()
+        optimizer.state.clear()
+        return self.optimizer
+
+    def _flatten_parameters(self) -> None:
+        """Stages 1, 2: each segment's parameters become views of one flat buffer, broadcast from rank 0."""
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        for seg in self.segments:
+            flat = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.params[0].device)
+            for p, view in zip(seg.params, seg.views(flat), strict=True):
+                view.copy_(p.detach())
+                p.data = view
+            comm.broadcast(flat, src=src, group=self.group)
+            self.flats[seg.index] = flat
+        with torch.no_grad():
+            for b in self.engine.module.buffers():
+                comm.broadcast(b.data, src=src, group=self.group)
+        if self.cfg.overlap_comm:
+            self._install_wait_hooks()
+
+    def _make_accumulators(self) -> None:
+        for seg in self.segments:
+            if not seg.trainable:
+                continue
+            dtype = torch.float32 if self.accumulate_fp32 else seg.dtype
+            device = self.stage3.device if self.stage3 is not None else seg.params[0].device
+            size = seg.padded if self.stage == 1 else seg.shard_size
+            self.acc[seg.index] = torch.zeros(size, dtype=dtype, device=device)
+
+    def _make_masters(self) -> None:
+        for seg in self.segments:
+            if not any(g is not None for g in seg.groups):
+                continue
+            local = self.local_params(seg)
+            if local.dtype == torch.float32 and self.master_device is None:
+                self.masters[seg.index] = local  # fp32 in place: the parameters' slice is the master
+            else:
+                device = self.master_device or local.device
+                master = torch.empty(local.numel(), dtype=torch.float32, device=device,
+                                     pin_memory=self.cfg.pin_memory and torch.cuda.is_available())
+                master.copy_(local)
+                self.masters[seg.index] = master
+        self.optimizer.build_inner(self.masters)
+
+    def local_params(self, seg: Segment) -> torch.Tensor:
+        """This rank's slice of ``seg``'s parameters (a view: stages 1–2 of the flat buffer, stage 3 the shard)."""
+        if self.stage3 is not None:
+            return self.stage3.shards[seg.index]
+        start, end = seg.slice_of(self.rank)
+        return self.flats[seg.index][start:end]
+
+    def local_grads(self, seg: Segment) -> torch.Tensor:
+        """This rank's reduced gradient slice of ``seg``."""
+        acc = self.acc[seg.index]
+        if self.stage == 1:
+            start, end = seg.slice_of(self.rank)
+            return acc[start:end]
+        return acc
+
+    def _install_grad_hooks(self) -> None:
+        for seg in self.segments:
+            for p in seg.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self.stage == 1 and (self.accumulate_fp32 or not self.engine.ctx.reduce):
+            return  # stage 1 reduces once per window; with fp32 accumulation, after the window
+        self.reducer.grad_ready(param)
+
+    def _install_wait_hooks(self) -> None:
+        """Forward pre-hooks that wait for the all-gather of the segments a module's parameters live in."""
+        seg_of = {id(p): seg.index for seg in self.segments for p in seg.params}
+        for module in self.engine.module.modules():
+            needed = sorted({seg_of[id(p)] for p in module.parameters(recurse=False) if id(p) in seg_of})
+            if needed:
+                self.handles.append(module.register_forward_pre_hook(
+                    lambda _m, _a, needed=needed: self.wait_gathers(needed)))
+        self.handles.append(self.engine.module.register_state_dict_pre_hook(lambda *_a, **_k: self.wait_gathers()))
+
+    # -- micro-step ----------------------------------------------------------------------------
+
+    def before_backward(self, ctx: Any) -> None:
+        """Stage 1: attach the gradient views (autograd then accumulates into the flat buffers)."""
+        if self.stage >= 2 and ctx.boundary and not ctx.reduce:
+            raise RuntimeError("engine.no_sync() / backward(allreduce_gradients=False) cannot be used with "
+                               f"zero_optimization.stage {self.stage}: gradients are partitioned as backward "
+                               "produces them. Use stage 1 or drop no_sync.")
+        if self.stage == 1 and not self.accumulate_fp32:
+            for seg in self.segments:
+                acc = self.acc.get(seg.index)
+                if acc is None:
+                    continue
+                for p, view in zip(seg.params, seg.views(acc), strict=True):
+                    if p.grad is None and p.requires_grad:
+                        p.grad = view
+
+    def after_backward(self, ctx: Any) -> None:
+        """Stage 1 with fp32 accumulation: move this micro-step's gradients into the fp32 buffers.
+
+        Stages 2, 3: finish this micro-step's reductions.
+        """
+        if self.stage == 1:
+            if self.accumulate_fp32:
+                for seg in self.segments:
+                    acc = self.acc.get(seg.index)
+                    if acc is None:
+                        continue
+                    for p, view in zip(seg.params, seg.views(acc), strict=True):
+                        if p.grad is not None:
+                            view.add_(p.grad.view_as(view))
+                            p.grad = None
+            return
+        self.reducer.flush()
+        if self.stage3 is not None:
+            self.stage3.after_backward()
+
+    def reduce_at_boundary(self) -> None:
+        """Stage 1: reduce what was not launched during backward and wait for all."""
+        if self.stage == 1:
+            self.reducer.flush()
+
+    # -- step ----------------------------------------------------------------------------------
+
+    def step(self) -> StepOutcome:
+        """Overflow check, norm, clip, inner step, write-back and gathers; see the module docstring."""
+        engine, opt = self.engine, self.optimizer
+        segs = [s for s in self.segments if s.index in self.masters]
+        grads = {s.index: self.local_grads(s) for s in segs}
+        scale = 1.0
+        if self.scaler is not None:
+            scale = self.scaler.loss_scale
+            flag = torch.tensor([1.0 if has_inf_or_nan(list(grads.values())) else 0.0])
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if self.mp_group is not None:
+                comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mp_group)
+            overflow = bool(flag.item())
+            self.scaler.update_scale(overflow)
+            engine.metrics["loss_scale"] = self.scaler.loss_scale
+            if overflow:
+                self.zero_grad()
+                return StepOutcome(applied=False, grad_norm=None)
+        norm = self._global_norm(list(grads.values())) / scale
+        coef = 1.0 / scale
+        if self.max_norm > 0:
+            coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0) / scale
+        opt.sync_hyperparameters()
+        order = list(reversed(segs)) if self.stage < 3 else segs  # forward order: first layers gathered first
+        per_segment = self.cfg.overlap_comm and self.stage < 3 and len(order) > 1
+        g32 = {}
+        for seg in order:
+            g = grads[seg.index]
+            master = self.masters[seg.index]
+            g32[seg.index] = g.to(device=master.device, dtype=torch.float32, copy=g.data_ptr() == master.data_ptr())
+        by_seg: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for seg, _g, start, end, view in opt.runs:
+            by_seg.setdefault(seg.index, []).append((view, g32[seg.index][start:end]))
+        if self.swapper is not None:
+            self.swapper.step(order, by_seg, coef)
+        else:
+            for seg in order:
+                for view, g in by_seg.get(seg.index, []):
+                    view.grad = g
+                if per_segment:
+                    self._scale(by_seg.get(seg.index, []), coef)
+                    opt.inner.step()
+                    self._write_back(seg)
+                    for view, _ in by_seg.get(seg.index, []):
+                        view.grad = None
+            if not per_segment:
+                self._scale([x for seg in order for x in by_seg.get(seg.index, [])], coef)
+                opt.inner.step()
+                for seg in order:
+                    self._write_back(seg)
+                for view, _ in (x for v in by_seg.values() for x in v):
+                    view.grad = None
+        opt.applied_steps += 1
+        if not self.cfg.overlap_comm:
+            self.wait_gathers()
+        return StepOutcome(applied=True, grad_norm=norm)
+
+    @staticmethod
+    def _scale(pairs: list[tuple[torch.Tensor, torch.Tensor]], coef: Any) -> None:
+        grads = [g for _, g in pairs if g.numel()]
+        if grads and not (isinstance(coef, float) and coef == 1.0):
+            torch._foreach_mul_(grads, coef if isinstance(coef, float) else coef.to(grads[0].device))
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        present = [g for g in grads if g.numel()]
+        sq = (torch.stack([n.float() for n in torch._foreach_norm(present, 2.0)]).square().sum()
+              if present else torch.zeros(()))
+        sq = sq.to(torch.float32).cpu() if sq.device.type != "cpu" else sq.to(torch.float32)
+        comm.all_reduce(sq, group=self.group)
+        if self.mp_group is not None:
+            comm.all_reduce(sq, group=self.mp_group)
+        return sq.sqrt()
+
+    def _write_back(self, seg: Segment) -> None:
+        """Copy the stepped master into the parameters' slice; stages 1, 2: launch the gather."""
+        local = self.local_params(seg)
+        master = self.masters[seg.index]
+        if master.data_ptr() != local.data_ptr():
+            with torch.no_grad():
+                local.copy_(master, non_blocking=True)
+        if self.stage3 is not None:
+            self.stage3.after_step(seg)
+            return
+        self.launch_gather(seg)
+
+    def launch_gather(self, seg: Segment) -> None:
+        """Stages 1, 2: all-gather every rank's updated slice into the flat buffer (asynchronously)."""
+        flat = self.flats[seg.index]
+        S, r = seg.shard_size, self.rank
+        per = max(1, self.cfg.allgather_bucket_size // self.world)
+        works = []
+        if per >= S:
+            works.append(comm.all_gather_into_tensor(flat, flat[r * S:(r + 1) * S], group=self.group, async_op=True))
+        else:  # allgather_bucket_size: gather the slice in chunks
+            for c0 in range(0, S, per):
+                c1 = min(S, c0 + per)
+                outs = [flat[q * S + c0:q * S + c1] for q in range(self.world)]
+                works.append(comm.all_gather(outs, outs[r], group=self.group, async_op=True))
+        self.gathers[seg.index] = [w for w in works if w is not None]
+
+    def wait_gathers(self, indices: list[int] | None = None) -> None:
+        """Wait for the pending parameter all-gathers of ``indices`` (all when ``None``)."""
+        if not self.gathers:
+            return
+        for i in (list(self.gathers) if indices is None else indices):
+            for work in self.gathers.pop(i, ()):
+                work.wait()
+
+    def zero_grad(self) -> None:
+        """Zero the gradient accumulators (the model's ``.grad`` are cleared by the engine)."""
+        for acc in self.acc.values():
+            acc.zero_()
+
+    # -- whole tensors for user code (GatheredParameters, safe_get_*) --------------------------------
+
+    def tag_parameters(self) -> None:
+        """Mark every partitioned parameter with ``(runtime, segment index, position)``."""
+        for seg in self.segments:
+            for i, p in enumerate(seg.params):
+                p._zero = (self, seg.index, i)
+
+    def gather_for_user(self, indices: list[int]) -> None:
+        """Make segments ``indices`` whole (stage 3 gathers; stages 1, 2 wait for pending gathers)."""
+        if self.stage3 is None:
+            self.wait_gathers(indices)
+            return
+        for i in indices:
+            self.stage3.fetch(i)
+
+    def release_for_user(self, indices: list[int], modified: bool) -> None:
+        """After :meth:`gather_for_user`: take modified values into shards and masters, release."""
+        for i in indices:
+            seg = self.segments[i]
+            if modified:
+                start, end = seg.slice_of(self.rank)
+                flat = self.stage3.flats[i] if self.stage3 is not None else self.flats[i]
+                local = self.local_params(seg)
+                with torch.no_grad():
+                    if local.data_ptr() != flat[start:end].data_ptr():
+                        local.copy_(flat[start:end])
+                    master = self.masters.get(i)
+                    if master is not None and master.data_ptr() != local.data_ptr():
+                        master.copy_(local)
+            if self.stage3 is not None:
+                self.stage3.release(i)
+
+    def gather_full(self, param: torch.Tensor, local: torch.Tensor | None) -> torch.Tensor:
+        """All-gather per-rank slices ``local`` (this rank's slice of ``param``'s segment) into ``param``'s shape.
+
+        Collective over the data-parallel group: every rank calls it for the same parameter.
+        """
+        _, index, i = param._zero
+        seg = self.segments[index]
+        S = seg.shard_size
+        if local is None:
+            local = torch.zeros(S)
+        piece = torch.zeros(S, dtype=local.dtype, device=local.device)
+        piece[:min(S, local.numel())] = local.reshape(-1)[:S]
+        full = torch.empty(S * self.world, dtype=local.dtype, device=local.device)
+        comm.all_gather_into_tensor(full, piece, group=self.group)
+        off = seg.offsets[i]
+        return full[off:off + seg.numels[i]].view(seg.shapes[i]).clone()
+
+    def master_slice(self, index: int) -> torch.Tensor | None:
+        """This rank's fp32 master slice of segment ``index`` (full shard length)."""
+        return self.masters.get(index)
+
+    def grad_slice(self, index: int) -> torch.Tensor | None:
+        """This rank's reduced gradient slice of segment ``index``."""
+        if index not in self.acc:
+            return None
+        return self.local_grads(self.segments[index])
+
+    def state_slice(self, index: int, name: str) -> torch.Tensor | None:
+        """This rank's slice of the optimizer state ``name`` over segment ``index`` (zeros where none)."""
+        seg = self.segments[index]
+        out = None
+        for (rseg, _g, start, end, view), st in zip(self.optimizer.runs, self.optimizer.run_states(), strict=True):
+            if rseg is not seg or name not in st or not isinstance(st[name], torch.Tensor):
+                continue
+            if st[name].numel() != view.numel():
+                raise ValueError(f"optimizer state {name!r} is not element-wise (shape {tuple(st[name].shape)}); "
+                                 f"it has no per-parameter slice.")
+            if out is None:
+                out = torch.zeros(seg.shard_size, dtype=st[name].dtype)
+            out[start:end] = st[name].detach().to("cpu")
+        return out
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Stage 3: the module's whole state dict on data-parallel rank 0 (``{}`` elsewhere), one segment at a time."""
+        self.stage3.wait_all()
+        whole: dict[int, torch.Tensor] = {}
+        for seg in self.segments:
+            self.stage3.fetch(seg.index)
+            if self.rank == 0:
+                for p in seg.params:
+                    whole[id(p)] = p.detach().cpu().clone()
+            self.stage3.release(seg.index)
+        if self.rank != 0:
+            return {}
+        by_name = dict(self.engine.module.named_parameters(remove_duplicate=False))
+        out = {}
+        for k, v in self.engine.module.state_dict(keep_vars=True).items():
+            p = by_name.get(k)
+            out[k] = whole[id(p)] if p is not None and id(p) in whole else v.detach()
+        return out
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (persistent allocations).
+
+        ``parameters``: flat buffers (stages 1, 2) or shards plus persistent whole segments
+        (stage 3); ``gradients``: the accumulators; ``optimizer_states``: fp32 masters that are not
+        the parameters themselves plus every tensor of the inner optimizer's state. Counted by
+        storage, so a view is not counted twice. Offloaded bytes are reported under ``*_cpu`` keys
+        when the compute device is not the CPU; NVMe-resident state under ``optimizer_states_nvme``.
+        """
+        seen: set[int] = set()
+
+        def size(t: torch.Tensor) -> int:
+            st = t.untyped_storage()
+            if st.data_ptr() in seen or st.nbytes() == 0:
+                return 0
+            seen.add(st.data_ptr())
+            return st.nbytes()
+
+        params = sum(size(t) for t in self.flats.values())
+        if self.stage3 is not None:
+            params += self.stage3.resident_bytes(size)
+        grads = sum(size(t) for t in self.acc.values())
+        states = sum(size(m) for m in self.masters.values())
+        for st in self.optimizer.run_states() if self.optimizer else []:
+            for v in st.values():
+                if isinstance(v, torch.Tensor):
+                    states += size(v)
+        out = {"parameters": params, "gradients": grads, "optimizer_states": states}
+        if self.swapper is not None:
+            out["optimizer_states_nvme"] = self.swapper.bytes_on_disk()
+            out["optimizer_states"] += self.swapper.resident_bytes()
+        return out

@@ -1,0 +1,281 @@
+"""Stage 3: parameters partitioned; gathered before a module runs, released after, prefetched.
+
+Each module's own parameters form a segment (parameters of at most
+``stage3_param_persistence_threshold`` elements form a separate *persistent* segment that stays
+whole, as DeepSpeed keeps small parameters). Between uses a parameter's ``.data`` is an empty
+placeholder (``p.ds_shape`` / ``p.ds_numel`` give its real shape); the rank keeps only its shard.
+
+* **Forward**: a module's pre-hook gathers the segments its parameters live in (one
+  ``all_gather_into_tensor`` each, straight into the segment's flat buffer, of which the
+  parameters become views) and launches the gathers of the segments that come next in the
+  recorded execution order, up to ``stage3_prefetch_bucket_size`` elements ahead and at most
+  ``stage3_max_live_parameters`` gathered at once. Its post-hook releases them, unless the
+  recorded order shows the segment used again within ``stage3_max_reuse_distance`` elements.
+* **Backward**: a hook on the module's outputs gathers the segments again (prefetching in
+  reverse order) before autograd runs the module's backward. When all of a segment's gradients
+  are accumulated, the reducer reduces them into the gradient partition and the segment is
+  released.
+
+Releasing shrinks the flat buffer's storage to zero bytes (as FSDP does) and points the
+parameters at the placeholder: tensors autograd saved from the forward keep referring to the
+same storage, which the backward gather fills again, so any module works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from microspeed import comm
+from microspeed_zero.partition import Segment
+
+RELEASED, INFLIGHT, AVAILABLE = 0, 1, 2
+
+
+def _gather_into(flat: torch.Tensor, shard: torch.Tensor, group: Any, async_op: bool) -> Any:
+    return comm.all_gather_into_tensor(flat, shard, group=group, async_op=async_op)
+
+
+class ParameterPartitioner:
+    """Stage-3 parameter partitions of one model and the module hooks that gather them."""
+
+    def __init__(self, runtime: Any, model: torch.nn.Module) -> None:
+        self.rt, self.cfg = runtime, runtime.cfg
+        self.group, self.world, self.rank = runtime.group, runtime.world, runtime.rank
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.segments: list[Segment] = []
+        self.shards: dict[int, torch.Tensor] = {}
+        self.flats: dict[int, torch.Tensor] = {}
+        self.status: dict[int, int] = {}
+        self.works: dict[int, Any] = {}
+        self.uses: dict[int, int] = {}
+        self.module_segments: dict[torch.nn.Module, list[int]] = {}
+        self.order: list[int] = []
+        self.trace: list[int] = []
+        self.position: dict[int, list[int]] = {}
+        self.handles: list[Any] = []
+        self.placeholders: dict[tuple, torch.Tensor] = {}
+        self._partition(model)
+        self._install_hooks(model)
+
+    # -- partitioning ----------------------------------------------------------------------------
+
+    def _placeholder(self, p: torch.Tensor) -> torch.Tensor:
+        key = (p.dtype, p.device)
+        if key not in self.placeholders:
+            self.placeholders[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        return self.placeholders[key]
+
+    def _partition(self, model: torch.nn.Module) -> None:
+        from microspeed_zero.init import materialize
+
+        names = self.rt.names
+        assigned: dict[int, int] = {}
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        threshold = self.cfg.param_persistence_threshold
+        for module in model.modules():
+            own = [p for p in module._parameters.values() if p is not None and id(p) not in assigned]
+            materialize(own, self.group)
+            small = {id(p): p.numel() <= threshold for p in own}
+            for persistent in (False, True):
+                params = [p for p in own if small[id(p)] == persistent]
+                if not params:
+                    continue
+                seg = Segment(len(self.segments), params, [names.get(id(p), "?") for p in params],
+                              [None] * len(params), self.world, self.rank)
+                seg.persistent = persistent
+                self.segments.append(seg)
+                flat = torch.zeros(seg.padded, dtype=seg.dtype, device=self.device)
+                with torch.no_grad():
+                    for p, view in zip(params, seg.views(flat), strict=True):
+                        view.copy_(p.detach())
+                comm.broadcast(flat, src=src, group=self.group)
+                start, end = seg.slice_of(self.rank)
+                for p in params:
+                    assigned[id(p)] = seg.index
+                    p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
+                if persistent:
+                    self.shards[seg.index] = flat[start:end]
+                    self.flats[seg.index] = flat
+                    self._point(seg, flat)
+                    self.status[seg.index] = AVAILABLE
+                else:
+                    self.shards[seg.index] = flat[start:end].clone()
+                    self.flats[seg.index] = flat
+                    self._drop(seg)
+        for module in model.modules():
+            needed = sorted({assigned[id(p)] for p in module._parameters.values() if p is not None})
+            if needed:
+                self.module_segments[module] = needed
+        with torch.no_grad():
+            for b in model.buffers():
+                comm.broadcast(b.data, src=src, group=self.group)
+
+    def _point(self, seg: Segment, flat: torch.Tensor) -> None:
+        for p, view in zip(seg.params, seg.views(flat), strict=True):
+            p.data = view
+
+    def _drop(self, seg: Segment) -> None:
+        for p in seg.params:
+            p.data = self._placeholder(p)
+        self.flats[seg.index].untyped_storage().resize_(0)
+        self.status[seg.index] = RELEASED
+
+    # -- gather / release ------------------------------------------------------------------------
+
+    def _launch(self, seg: Segment, async_op: bool) -> None:
+        flat = self.flats[seg.index]
+        flat.untyped_storage().resize_(seg.padded * flat.element_size())
+        work = _gather_into(flat, self.shards[seg.index], self.group, async_op)
+        self.works[seg.index] = work
+        self.status[seg.index] = INFLIGHT
+
+    def fetch(self, index: int) -> None:
+        """Make segment ``index``'s parameters whole (waiting for a prefetch, or gathering now)."""
+        seg = self.segments[index]
+        state = self.status[index]
+        if state == RELEASED:
+            self._launch(seg, async_op=False)
+        work = self.works.pop(index, None)
+        if work is not None:
+            work.wait()
+        if self.status[index] != AVAILABLE:
+            self._point(seg, self.flats[index])
+            self.status[index] = AVAILABLE
+
+    def release(self, index: int) -> None:
+        """Give back segment ``index``'s gathered memory (persistent segments stay whole)."""
+        seg = self.segments[index]
+        if seg.persistent or self.status[index] == RELEASED:
+            return
+        work = self.works.pop(index, None)
+        if work is not None:
+            work.wait()
+        self._drop(seg)
+
+    def live_elements(self) -> int:
+        """Elements of non-persistent segments gathered or being gathered now."""
+        return sum(s.padded for s in self.segments if not s.persistent and self.status[s.index] != RELEASED)
+
+    def _prefetch(self, order: list[int], after: int) -> None:
+        budget = self.cfg.prefetch_bucket_size
+        live = self.live_elements()
+        ahead = 0
+        for index in order[after + 1:]:
+            seg = self.segments[index]
+            if seg.persistent or self.status[index] != RELEASED:
+                continue
+            if ahead >= budget or live + seg.padded > self.cfg.max_live_parameters:
+                break
+            self._launch(seg, async_op=True)
+            ahead += seg.padded
+            live += seg.padded
+
+    # -- module hooks ----------------------------------------------------------------------------
+
+    def _install_hooks(self, model: torch.nn.Module) -> None:
+        for module, needed in self.module_segments.items():
+            self.handles.append(module.register_forward_pre_hook(
+                lambda m, a, needed=needed: self._pre_forward(needed)))
+            self.handles.append(module.register_forward_hook(
+                lambda m, a, out, needed=needed: self._post_forward(needed, out)))
+
+    def _pre_forward(self, needed: list[int]) -> None:
+        for index in needed:
+            self.fetch(index)
+            self.uses[index] = self.uses.get(index, 0) + 1
+            self.trace.append(index)
+        if self.order and len(self.trace) <= len(self.order) and self.order[len(self.trace) - 1] == self.trace[-1]:
+            self._prefetch(self.order, len(self.trace) - 1)
+
+    def _post_forward(self, needed: list[int], outputs: Any) -> None:
+        for index in needed:
+            self.uses[index] -= 1
+            if self.uses[index] == 0 and not self._reused_soon(index):
+                self.release(index)
+        if torch.is_grad_enabled():
+            tensors = [t for t in _tensors(outputs) if t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _grads, needed=needed: self._pre_backward(needed), mode="any")
+
+    def _reused_soon(self, index: int) -> bool:
+        if not self.order or self.cfg.max_reuse_distance <= 0:
+            return False
+        now = len(self.trace) - 1
+        distance = 0
+        for later in self.order[now + 1:]:
+            if later == index:
+                return distance <= self.cfg.max_reuse_distance
+            distance += self.segments[later].padded
+        return False
+
+    def _pre_backward(self, needed: list[int]) -> None:
+        for index in needed:
+            self.fetch(index)
+        backward_order = list(reversed(self.order))
+        if backward_order:
+            first = min(len(self.order) - 1 - max(self.position.get(i, [0])) for i in needed)
+            self._prefetch(backward_order, first)
+
+    # -- engine events ---------------------------------------------------------------------------
+
+    def after_forward(self) -> None:
+        """Record the execution order (for prefetching); release what a prefetch left gathered."""
+        if self.trace:
+            self.order = list(self.trace)
+            self.position = {}
+            for pos, index in enumerate(self.order):
+                self.position.setdefault(index, []).append(pos)
+        self.trace = []
+        self.uses.clear()
+        for seg in self.segments:
+            self.release(seg.index)
+
+    def after_reduced(self, seg: Segment) -> None:
+        """A segment's gradients left for reduction: its parameters are not needed in this backward."""
+        self.release(seg.index)
+
+    def after_backward(self) -> None:
+        """Release every segment still gathered (frozen parameters, unused prefetches)."""
+        for seg in self.segments:
+            self.release(seg.index)
+
+    def after_step(self, seg: Segment) -> None:
+        """A segment's shard was updated: refresh persistent segments' whole copy (lazily waited)."""
+        if seg.persistent:
+            self.works[seg.index] = _gather_into(self.flats[seg.index], self.shards[seg.index], self.group, True)
+
+    def wait_all(self) -> None:
+        """Wait for every pending gather (before reading parameters outside forward)."""
+        for index in list(self.works):
+            self.fetch(index) if self.segments[index].persistent else self.release(index)
+
+    def resident_bytes(self, size: Any) -> int:
+        """Bytes of shards and persistent whole segments (``size`` counts each storage once)."""
+        total = sum(size(s) for s in self.shards.values())
+        return total + sum(size(self.flats[s.index]) for s in self.segments if s.persistent)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _refresh_persistent(self: ParameterPartitioner) -> None:
+    """After shards were loaded from a checkpoint: make persistent segments whole again."""
+    for seg in self.segments:
+        if seg.persistent:
+            self.works.pop(seg.index, None)
+            _gather_into(self.flats[seg.index], self.shards[seg.index], self.group, False)
+
+
+ParameterPartitioner.refresh_persistent = _refresh_persistent
