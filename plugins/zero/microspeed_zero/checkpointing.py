@@ -98,7 +98,18 @@ def _mixed(rt: Any) -> bool:
 
 
 def save_optimizer(rt: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-    """Write masters and partitioned optimizer state; return the manifest part (FQN-keyed, as stage 0's)."""
+    """Write masters and partitioned optimizer state; return the manifest part (FQN-keyed, as stage 0's).
+
+    With NVMe offload the state is read into memory for the save (``swapper.resident()``); the
+    tensors handed to the writer keep those buffers alive until they are written.
+    """
+    if rt.swapper is not None:
+        with rt.swapper.resident():
+            return _save_optimizer(rt, tensors)
+    return _save_optimizer(rt, tensors)
+
+
+def _save_optimizer(rt: Any, tensors: dict[str, Any]) -> dict[str, Any]:
     opt = rt.optimizer
     names = rt.names
     groups = []
@@ -138,6 +149,9 @@ def load_optimizer(rt: Any, saved: dict[str, Any] | None, reader: Any, load_stat
                    after: list[Any]) -> bool:
     """Read masters (always) and, with ``load_states``, the partitioned optimizer state, into this rank's pieces."""
     opt = rt.optimizer
+    if rt.swapper is not None:  # NVMe: read into resident buffers, then write them to the files
+        rt.swapper.materialize(load_states)
+        after.append(rt.swapper.evict)
     manifest = reader.manifest
     aliases = manifest.get("model", {}).get("aliases", {})
     saved_keys = set(manifest.get("model", {}).get("keys", []))

@@ -59,6 +59,7 @@ class ZeroRuntime:
         wire = c["communication_data_type"]
         self.wire_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(wire)
         self.swapper: Any = None
+        self.optimized: list[Segment] = []
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class ZeroRuntime:
                 seg.groups = [group_of.get(id(p)) if p.requires_grad else None for p in seg.params]
         self._make_accumulators()
         self._make_masters()
+        self.optimized = [seg for seg in self.segments if seg.index in self.masters]
         self.reducer = GradientReducer(self.segments, 1 if self.stage == 1 else 2, self.group, self.scaling,
                                        self.acc, self.wire_dtype, self.cfg.reduce_scatter,
                                        self.cfg.contiguous_gradients)
@@ -232,7 +234,7 @@ class ZeroRuntime:
     def step(self) -> StepOutcome:
         """Overflow check, norm, clip, inner step, write-back and gathers; see the module docstring."""
         engine, opt = self.engine, self.optimizer
-        segs = [s for s in self.segments if s.index in self.masters]
+        segs = self.optimized
         grads = {s.index: self.local_grads(s) for s in segs}
         scale = 1.0
         if self.scaler is not None:
@@ -253,38 +255,40 @@ class ZeroRuntime:
             coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0) / scale
         opt.sync_hyperparameters()
         order = list(reversed(segs)) if self.stage < 3 else segs  # forward order: first layers gathered first
-        per_segment = self.cfg.overlap_comm and self.stage < 3 and len(order) > 1
-        g32 = {}
-        for seg in order:
-            g = grads[seg.index]
-            master = self.masters[seg.index]
-            g32[seg.index] = g.to(device=master.device, dtype=torch.float32, copy=g.data_ptr() == master.data_ptr())
-        by_seg: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for seg, _g, start, end, view in opt.runs:
-            by_seg.setdefault(seg.index, []).append((view, g32[seg.index][start:end]))
-        if self.swapper is not None:
-            self.swapper.step(order, by_seg, coef)
+        if self.swapper is not None:  # NVMe: masters and state stream through a few buffers
+            g32 = {seg.index: grads[seg.index].to(device="cpu", dtype=torch.float32) for seg in order}
+            self.swapper.step(order, g32, coef)
         else:
-            for seg in order:
-                for view, g in by_seg.get(seg.index, []):
-                    view.grad = g
-                if per_segment:
-                    self._scale(by_seg.get(seg.index, []), coef)
-                    opt.inner.step()
-                    self._write_back(seg)
-                    for view, _ in by_seg.get(seg.index, []):
-                        view.grad = None
-            if not per_segment:
-                self._scale([x for seg in order for x in by_seg.get(seg.index, [])], coef)
-                opt.inner.step()
-                for seg in order:
-                    self._write_back(seg)
-                for view, _ in (x for v in by_seg.values() for x in v):
-                    view.grad = None
+            self._step_in_memory(order, grads, coef)
         opt.applied_steps += 1
         if not self.cfg.overlap_comm:
             self.wait_gathers()
         return StepOutcome(applied=True, grad_norm=norm)
+
+    def _step_in_memory(self, order: list[Segment], grads: dict[int, torch.Tensor], coef: Any) -> None:
+        opt = self.optimizer
+        per_segment = self.cfg.overlap_comm and self.stage < 3 and len(order) > 1
+        by_seg: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        g32 = {seg.index: grads[seg.index].to(device=self.masters[seg.index].device, dtype=torch.float32)
+               for seg in order}
+        for seg, _g, start, end, view in opt.runs:
+            by_seg.setdefault(seg.index, []).append((view, g32[seg.index][start:end]))
+        for seg in order:
+            for view, g in by_seg.get(seg.index, []):
+                view.grad = g
+            if per_segment:  # step segment by segment, each gather launched behind it
+                self._scale(by_seg.get(seg.index, []), coef)
+                opt.inner.step()
+                self._write_back(seg)
+                for view, _ in by_seg.get(seg.index, []):
+                    view.grad = None
+        if not per_segment:
+            self._scale([x for seg in order for x in by_seg.get(seg.index, [])], coef)
+            opt.inner.step()
+            for seg in order:
+                self._write_back(seg)
+            for view, _ in (x for v in by_seg.values() for x in v):
+                view.grad = None
 
     @staticmethod
     def _scale(pairs: list[tuple[torch.Tensor, torch.Tensor]], coef: Any) -> None:
@@ -303,12 +307,16 @@ class ZeroRuntime:
         return sq.sqrt()
 
     def _write_back(self, seg: Segment) -> None:
-        """Copy the stepped master into the parameters' slice; stages 1, 2: launch the gather."""
+        """Copy the stepped master into the parameters' slice, then :meth:`publish` it."""
         local = self.local_params(seg)
         master = self.masters[seg.index]
         if master.data_ptr() != local.data_ptr():
             with torch.no_grad():
                 local.copy_(master, non_blocking=True)
+        self.publish(seg)
+
+    def publish(self, seg: Segment) -> None:
+        """The parameters' slice of ``seg`` holds new values: stages 1, 2 gather them; stage 3 refreshes."""
         if self.stage3 is not None:
             self.stage3.after_step(seg)
             return
@@ -394,6 +402,10 @@ class ZeroRuntime:
 
     def master_slice(self, index: int) -> torch.Tensor | None:
         """This rank's fp32 master slice of segment ``index`` (full shard length)."""
+        if self.swapper is not None:
+            with self.swapper.resident():
+                master = self.masters.get(index)
+                return None if master is None else master.clone()
         return self.masters.get(index)
 
     def grad_slice(self, index: int) -> torch.Tensor | None:
