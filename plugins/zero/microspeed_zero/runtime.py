@@ -39,9 +39,6 @@ class ZeroRuntime:
         self.group = topo.data_parallel_group
         self.world, self.rank = topo.data_parallel_size, topo.data_parallel_rank
         self.mp_group = topo.model_parallel_group if topo.model_parallel_size > 1 else None
-        mp = engine.plugin_state("mixed_precision")
-        self.scaler = getattr(mp, "scaler", None)
-        self.accumulate_fp32 = bool(getattr(mp, "accumulate_fp32", False))
         self.master_device = torch.device("cpu") if cfg.offload_optimizer != "none" else None
         self.segments: list[Segment] = []
         self.flats: dict[int, torch.Tensor] = {}  # stages 1, 2: segment -> flat parameter buffer
@@ -62,6 +59,16 @@ class ZeroRuntime:
         self.optimized: list[Segment] = []
 
     # -- set-up --------------------------------------------------------------------------------
+
+    @property
+    def scaler(self) -> Any:
+        """The fp16 loss scaler lent by the mixed-precision plugin (``None`` without fp16)."""
+        return getattr(self.engine.plugin_state("mixed_precision"), "scaler", None)
+
+    @property
+    def accumulate_fp32(self) -> bool:
+        """Whether gradients accumulate in fp32 (``data_types.grad_accum_dtype``) for a 16-bit model."""
+        return bool(getattr(self.engine.plugin_state("mixed_precision"), "accumulate_fp32", False))
 
     @property
     def device(self) -> torch.device:
@@ -249,6 +256,8 @@ class ZeroRuntime:
             if overflow:
                 self.zero_grad()
                 return StepOutcome(applied=False, grad_norm=None)
+        target = self.master_device or self.device
+        grads = {i: g.to(device=target, dtype=torch.float32) for i, g in grads.items()}  # fp32 (a view when it is)
         norm = self._global_norm(list(grads.values())) / scale
         coef = 1.0 / scale
         if self.max_norm > 0:
@@ -256,8 +265,7 @@ class ZeroRuntime:
         opt.sync_hyperparameters()
         order = list(reversed(segs)) if self.stage < 3 else segs  # forward order: first layers gathered first
         if self.swapper is not None:  # NVMe: masters and state stream through a few buffers
-            g32 = {seg.index: grads[seg.index].to(device="cpu", dtype=torch.float32) for seg in order}
-            self.swapper.step(order, g32, coef)
+            self.swapper.step(order, grads, coef)
         else:
             self._step_in_memory(order, grads, coef)
         opt.applied_steps += 1
@@ -269,8 +277,7 @@ class ZeroRuntime:
         opt = self.optimizer
         per_segment = self.cfg.overlap_comm and self.stage < 3 and len(order) > 1
         by_seg: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        g32 = {seg.index: grads[seg.index].to(device=self.masters[seg.index].device, dtype=torch.float32)
-               for seg in order}
+        g32 = grads
         for seg, _g, start, end, view in opt.runs:
             by_seg.setdefault(seg.index, []).append((view, g32[seg.index][start:end]))
         for seg in order:

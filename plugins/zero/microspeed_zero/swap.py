@@ -1,0 +1,440 @@
+"""ZeRO-Infinity-style NVMe offload of the optimizer: masters and Adam's moments stream from files.
+
+With ``zero_optimization.offload_optimizer.device = "nvme"`` this rank's fp32 master partition
+and Adam's two moments (three with AMSGrad) live in files under
+``rank_folder(nvme_path, rank)/optimizer<n>`` (:mod:`microspeed_zero.nvme`; ``n`` numbers the
+swappers of the process, so engines sharing ``nvme_path`` never share files), not in memory.
+
+Layout: the elements of this rank's optimizer *runs* (:attr:`ZeroOptimizer.runs` — the stretches
+of each segment's slice whose parameters share a param group; padding and frozen parameters are
+not stored) are concatenated over ``rt.optimized`` in order and cut into *sub-groups* of at most
+``zero_optimization.sub_group_size`` elements. A sub-group may span several segments and runs, or
+hold a piece of one. Each sub-group has one file per tensor (``master``, ``exp_avg``,
+``exp_avg_sq``); a slot of the in-memory streaming buffers holds one sub-group of each.
+
+The step (:meth:`OptimizerSwapper.step`): sub-groups go through ``buffer_count`` slots with a
+:class:`~microspeed_zero.nvme.Prefetcher` — while Adam runs on one sub-group the next ones are
+read, and each stepped sub-group is written back asynchronously. Sub-groups are visited so that
+segments complete in the forward order the runtime passes; a segment's new values are written
+into the parameters' slice as each of its pieces is stepped, and the segment is published
+(all-gathered, or refreshed at stage 3) as soon as all of its pieces are done — always in that
+order, so every rank issues the same collectives in the same order. Adam is torch's own
+functional kernel (``torch.optim.adam.adam``: the same single-tensor / foreach / fused path the
+param group asks for), on each run piece with its group's live hyper-parameters and its run's
+step count, so the results equal ``torch.optim.Adam``/``AdamW`` on the whole partition.
+
+Resident memory between steps: the slots only, ``buffer_count x largest sub-group x (4 bytes x
+tensors per sub-group)`` (:meth:`OptimizerSwapper.budget_bytes`). The step adds Adam's
+temporaries (a few sub-group-sized tensors) and the runtime's fp32 gradient partition.
+
+Checkpoints and user reads (``safe_get_full_fp32_param``) see the state through
+:meth:`OptimizerSwapper.resident` (read everything into fresh tensors for the duration) or
+:meth:`OptimizerSwapper.materialize` / :meth:`OptimizerSwapper.evict` (loading: fill in place,
+then write back).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.adam import adam as _adam
+
+from microspeed.errors import ConfigError
+from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore, rank_folder
+
+MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+"""Adam's element-wise state tensors kept in files (``max_exp_avg_sq`` is added when a group uses AMSGrad)."""
+
+_SEQUENCE = itertools.count()  # one swap folder per swapper: several engines of one process may share nvme_path
+_PLACEHOLDER = torch.zeros(1)  # what a run view points at while nothing is resident (reads 0, refuses writes)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A stretch of one run inside one sub-group.
+
+    ``run``: index into ``rt.optimizer.runs``; ``seg``: the segment's index; ``start:end``: the
+    range within the rank's slice of the segment; ``lo:hi``: the same elements within the sub-group.
+    """
+
+    run: int
+    seg: int
+    start: int
+    end: int
+    lo: int
+    hi: int
+
+
+@dataclass
+class SubGroup:
+    """One unit of streaming: ``numel`` elements, made of :class:`Piece` s, one file per tensor (``keys``)."""
+
+    index: int
+    numel: int
+    pieces: list[Piece] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+    @property
+    def segments(self) -> list[int]:
+        """Indices of the segments this sub-group holds pieces of (each once, in layout order)."""
+        return list(dict.fromkeys(p.seg for p in self.pieces))
+
+
+def _global_rank(rt: Any) -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(rt.rank)
+
+
+class OptimizerSwapper:
+    """This rank's Adam/AdamW masters and moments in NVMe files, streamed through a few buffers.
+
+    Built by the ZeRO plugin right after ``rt.wrap(optimizer)`` with
+    ``offload_optimizer.device = "nvme"``: it lays the runs out in sub-groups, writes the masters
+    (and zero moments) to the files and drops the in-memory masters (``rt.masters`` becomes
+    ``{}``; the run views of ``rt.optimizer`` point at a zero-stride placeholder while nothing is
+    resident). See the module docstring for the layout and the step.
+    """
+
+    def __init__(self, rt: Any) -> None:
+        opt, cfg = rt.optimizer, rt.cfg
+        if opt.base_class not in (torch.optim.Adam, torch.optim.AdamW):
+            raise ConfigError(
+                f"zero_optimization.offload_optimizer.device='nvme' with the optimizer {opt.base_class.__name__}: "
+                f"the NVMe-offloaded step streams Adam's state (masters, exp_avg, exp_avg_sq) and runs Adam; "
+                f"use torch.optim.Adam or AdamW (optimizer.type 'Adam'/'AdamW'), or offload_optimizer.device "
+                f"'cpu'/'none' for {opt.base_class.__name__}.")
+        if not cfg.offload_optimizer_nvme_path:
+            raise ConfigError("zero_optimization.offload_optimizer.device='nvme' needs "
+                              "zero_optimization.offload_optimizer.nvme_path (a folder to keep the state in).")
+        self.rt = rt
+        self.keys: set[int] = set(rt.masters)
+        self.closed = False
+        self.amsgrad = any(bool(g.get("amsgrad", False)) for g in opt.param_groups)
+        self.tensor_names: tuple[str, ...] = ("master", *MOMENTS) + (("max_exp_avg_sq",) if self.amsgrad else ())
+        self._runs = list(opt.runs)
+        self._steps: list[float] = [0.0] * len(self._runs)
+        self.subgroups = self._layout(max(1, int(cfg.sub_group_size)))
+        self._cover: dict[int, int] = {}
+        for sg in self.subgroups:
+            for s in sg.segments:
+                self._cover[s] = self._cover.get(s, 0) + 1
+        largest = max((sg.numel for sg in self.subgroups), default=0)
+        pin = bool(cfg.pin_memory) and torch.cuda.is_available()
+        count = min(int(cfg.buffer_count), len(self.subgroups))
+        self._slots = [[torch.empty(largest, dtype=torch.float32, pin_memory=pin) for _ in self.tensor_names]
+                       for _ in range(count)]
+        self._budget = int(cfg.buffer_count) * largest * 4 * len(self.tensor_names)
+        self._prefetchers: dict[tuple[Any, ...], Prefetcher] = {}
+        self._depth = 0  # nesting of resident()
+        self._resident = False
+        self._with_states = False
+        self._materialized = False
+        self._writeback = False
+        folder = os.path.join(rank_folder(cfg.offload_optimizer_nvme_path, _global_rank(rt)),
+                              f"optimizer{next(_SEQUENCE)}")
+        self.store = TensorFileStore(folder)
+        try:
+            self._write_initial(dict(rt.masters))
+        except BaseException:
+            self.store.close()
+            raise
+        self._release_masters()
+
+    # -- layout and set-up ---------------------------------------------------------------------
+
+    def _layout(self, cap: int) -> list[SubGroup]:
+        """Cut the concatenated runs (over ``rt.optimized`` in order) into sub-groups of <= ``cap`` elements."""
+        position = {seg.index: i for i, seg in enumerate(self.rt.optimized)}
+        order = sorted(range(len(self._runs)),
+                       key=lambda r: (position.get(self._runs[r][0].index, len(position)), self._runs[r][2]))
+        subgroups: list[SubGroup] = []
+        current: SubGroup | None = None
+        for r in order:
+            seg, _g, start, end, _view = self._runs[r]
+            a = start
+            while a < end:
+                if current is None or current.numel == cap:
+                    current = SubGroup(len(subgroups), 0)
+                    subgroups.append(current)
+                b = min(end, a + cap - current.numel)
+                current.pieces.append(Piece(r, seg.index, a, b, current.numel, current.numel + b - a))
+                current.numel += b - a
+                a = b
+        for sg in subgroups:
+            sg.keys = [f"subgroup{sg.index:05d}/{name}" for name in self.tensor_names]
+        return subgroups
+
+    def _write_initial(self, masters: dict[int, torch.Tensor]) -> None:
+        """Masters into their files (through the slots, two writes in flight); moments as zero (sparse) files."""
+        pending: list[list[SwapHandle]] = [[] for _ in self._slots]
+        for k, sg in enumerate(self.subgroups):
+            slot = k % len(self._slots)
+            for h in pending[slot]:
+                h.wait()
+            buf = self._slots[slot][0][:sg.numel]
+            for p in sg.pieces:
+                buf[p.lo:p.hi].copy_(masters[p.seg][p.start:p.end])
+            pending[slot] = [self.store.write_async(sg.keys[0], buf)]
+            for key in sg.keys[1:]:
+                self.store.allocate(key, sg.numel, torch.float32)
+        for handles in pending:
+            for h in handles:
+                h.wait()
+
+    def _release_masters(self) -> None:
+        """Drop the in-memory masters: run views point at a placeholder, masters lose their storage."""
+        rt = self.rt
+        for *_, view in self._runs:
+            view.data = _PLACEHOLDER.expand(view.numel())
+        for index, master in rt.masters.items():
+            local = rt.local_params(rt.segments[index])
+            if master.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+                master.data = torch.empty(0, dtype=master.dtype)  # the views above were its last other users
+        rt.masters = {}
+
+    def _prefetcher(self, order: list[int], names: int) -> Prefetcher:
+        """A :class:`Prefetcher` over sub-groups ``order`` (first ``names`` tensors of each), on the shared slots."""
+        key = (tuple(order), names)
+        pf = self._prefetchers.get(key)
+        if pf is None:
+            pf = Prefetcher(self.store, [self.subgroups[k].keys[:names] for k in order], buffers=self._slots)
+            self._prefetchers[key] = pf
+        return pf
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, order: list[Any], g32: dict[int, torch.Tensor], coef: Any) -> None:
+        """One Adam/AdamW step of this rank's partition, streamed from the files.
+
+        ``order``: the optimized segments in the order to publish them (forward order);
+        ``g32[seg.index]``: this rank's averaged fp32 CPU gradient slice of each (scaled in place by
+        ``coef``, a float or 0-d tensor folding loss unscaling and clipping). New master values are
+        written into ``rt.local_params(seg)`` and each segment is published (``rt.publish``) once all
+        of its sub-groups are stepped.
+        """
+        self._check_open()
+        if self._depth:
+            raise RuntimeError("OptimizerSwapper.step() inside swapper.resident(): the resident copy would be "
+                               "stale; leave the with-block first.")
+        if self._materialized:
+            self.evict()
+        rt = self.rt
+        pos = {seg.index: i for i, seg in enumerate(order)}
+        far = len(order)
+        visit = sorted(range(len(self.subgroups)),
+                       key=lambda k: (min(pos.get(s, far) for s in self.subgroups[k].segments), k))
+        remaining = dict(self._cover)
+        done = 0
+        scale = not (isinstance(coef, float) and coef == 1.0)
+        if scale and isinstance(coef, torch.Tensor):
+            coef = coef.to(device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            if self.subgroups:
+                pf = self._prefetcher(visit, len(self.tensor_names))
+                for i, tensors in pf:
+                    sg = self.subgroups[visit[i]]
+                    self._adam(sg, tensors, g32, coef if scale else None)
+                    for p in sg.pieces:
+                        local = rt.local_params(rt.segments[p.seg])
+                        local[p.start:p.end].copy_(tensors[0][p.lo:p.hi])
+                    pf.mark_dirty()
+                    for s in sg.segments:
+                        remaining[s] -= 1
+                    while done < len(order) and remaining.get(order[done].index, 0) == 0:
+                        rt.publish(order[done])
+                        done += 1
+            for seg in order[done:]:
+                rt.publish(seg)
+        self._steps = [s + 1.0 for s in self._steps]
+
+    def _adam(self, sg: SubGroup, tensors: list[torch.Tensor], g32: dict[int, torch.Tensor], coef: Any) -> None:
+        """torch's functional Adam on each piece of ``sg`` (grouped by param group), in the slot ``tensors``."""
+        opt = self.rt.optimizer
+        lists: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        for p in sg.pieces:
+            g = self._runs[p.run][1]
+            grad = g32[p.seg][p.start:p.end]
+            if coef is not None:
+                grad.mul_(coef)
+            L = lists.setdefault(g, ([], [], [], [], [], []))
+            L[0].append(tensors[0][p.lo:p.hi])
+            L[1].append(grad)
+            L[2].append(tensors[1][p.lo:p.hi])
+            L[3].append(tensors[2][p.lo:p.hi])
+            if self.amsgrad:
+                L[4].append(tensors[3][p.lo:p.hi])
+            L[5].append(torch.tensor(self._steps[p.run], dtype=torch.float32))
+        for g, (params, grads, exp_avgs, exp_avg_sqs, maxes, steps) in lists.items():
+            group = opt.param_groups[g]
+            amsgrad = bool(group.get("amsgrad", False))
+            if amsgrad and not self.amsgrad:
+                raise RuntimeError(f"param group {g} turned amsgrad on after the NVMe swapper was built; AMSGrad "
+                                   f"must be set when the optimizer is created.")
+            beta1, beta2 = group["betas"]
+            _adam(params, grads, exp_avgs, exp_avg_sqs, maxes if amsgrad else [], steps,
+                  foreach=group.get("foreach"), fused=group.get("fused"), capturable=False, differentiable=False,
+                  grad_scale=None, found_inf=None, has_complex=False,
+                  decoupled_weight_decay=bool(group.get("decoupled_weight_decay",
+                                                        opt.base_class is torch.optim.AdamW)),
+                  amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=bool(group.get("maximize", False)))
+
+    # -- resident copies -----------------------------------------------------------------------
+
+    def _load(self, states: bool) -> None:
+        """Read the files into fresh per-segment tensors; fill ``rt.masters`` and (``states``) the inner state."""
+        rt, opt = self.rt, self.rt.optimizer
+        masters: dict[int, torch.Tensor] = {}
+        for seg in rt.optimized:
+            if seg.index in self.keys:
+                local = rt.local_params(seg)
+                m = torch.empty(seg.shard_size, dtype=torch.float32)
+                m.copy_(local.detach().reshape(-1)[:seg.shard_size])  # padding and frozen elements: the parameters
+                masters[seg.index] = m
+        names = self.tensor_names if states else self.tensor_names[:1]
+        moments = {name: {i: torch.zeros_like(m) for i, m in masters.items()} for name in names[1:]}
+        if self.subgroups:
+            for i, tensors in self._prefetcher(list(range(len(self.subgroups))), len(names)):
+                for p in self.subgroups[i].pieces:
+                    masters[p.seg][p.start:p.end].copy_(tensors[0][p.lo:p.hi])
+                    for name, t in zip(names[1:], tensors[1:], strict=True):
+                        moments[name][p.seg][p.start:p.end].copy_(t[p.lo:p.hi])
+        rt.masters = masters
+        for r, (seg, g, start, end, view) in enumerate(self._runs):
+            view.data = masters[seg.index][start:end]
+            if states:
+                st: dict[str, Any] = {"step": torch.tensor(self._steps[r], dtype=torch.float32)}
+                for name in MOMENTS:
+                    st[name] = moments[name][seg.index][start:end]
+                if opt.param_groups[g].get("amsgrad", False) and "max_exp_avg_sq" in moments:
+                    st["max_exp_avg_sq"] = moments["max_exp_avg_sq"][seg.index][start:end]
+                opt.inner.state[view] = st
+        self._resident, self._with_states = True, states
+
+    def _store_resident(self) -> None:
+        """Write the resident masters (and state, if loaded) back into the files, synchronously."""
+        rt, opt = self.rt, self.rt.optimizer
+        names = self.tensor_names if self._with_states else self.tensor_names[:1]
+        states = [opt.inner.state.get(view, {}) for *_, view in self._runs] if self._with_states else []
+        pending: list[list[SwapHandle]] = [[] for _ in self._slots]
+        for k, sg in enumerate(self.subgroups):
+            slot = k % len(self._slots)
+            for h in pending[slot]:
+                h.wait()
+            bufs = [t[:sg.numel] for t in self._slots[slot][:len(names)]]
+            for p in sg.pieces:
+                bufs[0][p.lo:p.hi].copy_(rt.masters[p.seg][p.start:p.end])
+                run_start = self._runs[p.run][2]
+                for name, buf in zip(names[1:], bufs[1:], strict=True):
+                    value = states[p.run].get(name)
+                    if isinstance(value, torch.Tensor) and value.numel() > 0:
+                        buf[p.lo:p.hi].copy_(value.reshape(-1)[p.start - run_start:p.end - run_start])
+                    else:  # a fresh (or dropped) state starts from zero
+                        buf[p.lo:p.hi].zero_()
+            pending[slot] = [self.store.write_async(key, buf) for key, buf in zip(sg.keys, bufs, strict=True)]
+        for handles in pending:
+            for h in handles:
+                h.wait()
+        for r, st in enumerate(states):
+            step = st.get("step")
+            self._steps[r] = float(step.item() if isinstance(step, torch.Tensor) else step or 0.0)
+
+    def _drop(self) -> None:
+        """Forget the resident tensors (their storage lives on wherever a reader still holds a view)."""
+        opt = self.rt.optimizer
+        for *_, view in self._runs:
+            opt.inner.state.pop(view, None)
+            view.data = _PLACEHOLDER.expand(view.numel())
+        self.rt.masters = {}
+        self._resident = self._with_states = self._materialized = self._writeback = False
+
+    @contextlib.contextmanager
+    def resident(self, writeback: bool = False) -> Iterator[OptimizerSwapper]:
+        """Hold the masters and the optimizer state in memory for the ``with`` block.
+
+        Inside, ``rt.masters`` maps every optimized segment to a fresh fp32 CPU tensor of its shard
+        size and ``rt.optimizer.inner.state[view]`` holds ``step`` (0-d float tensor), ``exp_avg`` and
+        ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad) as views of resident buffers laid out
+        like the runs; the run views themselves view the resident masters. On exit the references
+        are dropped (the storage is not freed in place: a checkpoint writer may still hold views).
+        ``writeback=True``: changes made inside are written to the files on exit (the outermost
+        exit when nested). Inside an earlier :meth:`materialize`, the materialized copy is used.
+        """
+        self._check_open()
+        if not self._resident:
+            self._load(states=True)
+        elif not self._with_states:
+            raise RuntimeError("swapper.resident() inside materialize(load_states=False): the optimizer state is "
+                               "not in memory; evict() first.")
+        self._depth += 1
+        self._writeback = self._writeback or writeback
+        try:
+            yield self
+        finally:
+            self._depth -= 1
+            if self._depth == 0 and not self._materialized:
+                if self._writeback:
+                    self._store_resident()
+                self._drop()
+
+    def materialize(self, load_states: bool) -> None:
+        """Bring masters (and with ``load_states`` the optimizer state) into memory until :meth:`evict`.
+
+        As entering :meth:`resident`; used by checkpoint loading, which fills the tensors in place
+        after this returns and then calls :meth:`evict`.
+        """
+        self._check_open()
+        if self._depth:
+            raise RuntimeError("swapper.materialize() inside swapper.resident(); leave the with-block first.")
+        if self._resident:
+            self._drop()
+        self._load(states=bool(load_states))
+        self._materialized = True
+
+    def evict(self) -> None:
+        """Write the resident masters (and state) back to the files, synchronously, and drop them."""
+        if not self._resident or self._depth:
+            return
+        self._store_resident()
+        self._drop()
+
+    # -- accounting and lifetime ---------------------------------------------------------------
+
+    def bytes_on_disk(self) -> int:
+        """Bytes of optimizer state in the swap files (masters and moments of every sub-group)."""
+        return 0 if self.closed else self.store.bytes_on_disk()
+
+    def resident_bytes(self) -> int:
+        """Bytes of the streaming slots, which stay in memory between steps (<= :meth:`budget_bytes`).
+
+        A copy held by :meth:`resident` / :meth:`materialize` is not included: it is visible as
+        ``rt.masters`` and the inner optimizer's state, which ``rt.memory_breakdown()`` counts.
+        """
+        return sum(t.untyped_storage().nbytes() for slot in self._slots for t in slot)
+
+    def budget_bytes(self) -> int:
+        """The in-memory budget: ``buffer_count`` slots of the largest sub-group (4 bytes x tensors per sub-group)."""
+        return self._budget
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the NVMe optimizer swapper is closed (its files were removed)")
+
+    def close(self) -> None:
+        """Wait for pending I/O, remove the swap files and free the slots. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._prefetchers.clear()
+        self.store.close()
+        self._slots = []
+
+    def __repr__(self) -> str:
+        return (f"OptimizerSwapper({self.store.folder!r}, sub_groups={len(self.subgroups)}, "
+                f"slots={len(self._slots)}, on_disk={self.bytes_on_disk()}, resident={self.resident_bytes()})")
