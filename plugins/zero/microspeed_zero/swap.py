@@ -243,7 +243,7 @@ class OptimizerSwapper:
                     for p in sg.pieces:
                         local = rt.local_params(rt.segments[p.seg])
                         local[p.start:p.end].copy_(tensors[0][p.lo:p.hi])
-                    pf.mark_dirty()
+                    pass
                     for s in sg.segments:
                         remaining[s] -= 1
                     while done < len(order) and remaining.get(order[done].index, 0) == 0:

@@ -9,7 +9,8 @@ tests below assert on them:
   stage 2 bf16 (AdamW, 2 micro-steps per step), each with a WarmupLR schedule and gradient
   clipping, run with ``offload_optimizer`` none and nvme: per-step losses, whole fp32 weights,
   this rank's masters and every Adam state tensor agree within 1e-5 relative; the sub-groups
-  both span segments and split them;
+  both span segments and split them; ``resident()`` discards changes and
+  ``resident(writeback=True)`` keeps them;
 * memory: a 4.2M-parameter bf16 model at stage 2 whose fp32 optimizer state (12 bytes per
   element of the rank's partition) is >= 4x the in-memory budget (``buffer_count`` slots of the
   largest sub-group) trains; resident optimizer bytes stay within the budget, the files hold the
@@ -126,6 +127,25 @@ def _local_state(engine) -> list[dict[str, torch.Tensor]]:
     return out
 
 
+def _resident_roundtrip(engine) -> dict:
+    """``resident()`` discards changes, ``resident(writeback=True)`` keeps them; nothing stays resident after."""
+    rt = engine.plugin_state("zero")
+    swapper, opt = rt.swapper, rt.optimizer
+    view = opt.runs[0][4]
+    with swapper.resident():
+        before = opt.inner.state[view]["exp_avg"].clone()
+        opt.inner.state[view]["exp_avg"].fill_(7.0)
+    with swapper.resident(writeback=True):
+        discarded = torch.equal(opt.inner.state[view]["exp_avg"], before)
+        opt.inner.state[view]["exp_avg"].copy_(before * 2)
+    with swapper.resident(writeback=True):
+        written = torch.equal(opt.inner.state[view]["exp_avg"], before * 2)
+        opt.inner.state[view]["exp_avg"].copy_(before)
+    released = (not rt.masters and view not in opt.inner.state
+                and all(v.untyped_storage().nbytes() <= 4 for *_, v in opt.runs))
+    return {"discarded": discarded, "written": written, "released": released}
+
+
 def _equivalence(root: str) -> dict:
     out = {}
     for variant in VARIANTS:
@@ -147,6 +167,7 @@ def _equivalence(root: str) -> dict:
             "spans": any(len(sg.segments) > 1 for sg in subgroups),
             "splits": any(n > 1 for n in swapper._cover.values()),
             "subgroups": len(subgroups), "masters_after": len(nvme.plugin_state("zero").masters),
+            "roundtrip": _resident_roundtrip(nvme),
         }
     return out
 
@@ -267,6 +288,7 @@ def test_matches_in_memory_optimizer(results, variant):
         assert {"step", "exp_avg", "exp_avg_sq"} <= set(r["state_keys"])
         assert r["spans"] and r["splits"] and r["subgroups"] > 2, r
         assert r["masters_after"] == 0  # masters are not resident between steps
+        assert r["roundtrip"] == {"discarded": True, "written": True, "released": True}, r["roundtrip"]
     if variant == "stage3_fp32":
         assert any("max_exp_avg_sq" in res["equivalence"][variant]["state_keys"] for res in results)
 

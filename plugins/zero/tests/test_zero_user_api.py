@@ -174,7 +174,7 @@ def _init_body(gpt_steps: int) -> None:
     _same_as(gpt, ref_gpt)
     losses = _train_gpt(gpt, gpt_steps)
     ref_losses = _train_gpt(ref_gpt, gpt_steps)
-    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=0.0)
+    assert losses == ref_losses  # same values, same partitions: bit for bit
     assert losses[-1] < losses[0]
 
     # dtype: given directly or read from a ds_config
@@ -227,6 +227,42 @@ def test_init_refuses_nvme_and_unknown_arguments():
     assert Init(enabled=False).enabled is False
 
 
+def test_init_on_one_rank_module_argument_nesting_and_errors():
+    """One rank (this process): Init(module=...), nested blocks, a raising block restores, a raising Gathered keeps."""
+    from microspeed.zero import GatheredParameters, Init
+
+    microspeed.init_distributed()
+    linear_init = nn.Linear.__init__
+    torch.manual_seed(0)
+    built = _mlp()
+    want = [p.detach().clone() for p in built.parameters()]
+    Init(module=built)  # an already-built module is partitioned on the spot
+    assert all(p.numel() == 0 and p._zero_init_shard.numel() == p.ds_numel for p in built.parameters())
+    with GatheredParameters(built.parameters()):
+        assert all(torch.equal(p, w) for p, w in zip(built.parameters(), want, strict=True))
+
+    with Init(dtype=torch.float16):
+        with Init(dtype=torch.bfloat16):  # nested: the outermost block's settings apply
+            inner = nn.Linear(3, 2)
+        outer = nn.Linear(3, 2)
+        assert nn.Linear.__init__ is not linear_init
+    assert inner.weight.numel() == 0 and outer.weight.numel() == 0
+    assert inner.weight.dtype == outer.weight.dtype == torch.float16
+    assert nn.Linear.__init__ is linear_init
+
+    with pytest.raises(RuntimeError, match="boom"), Init():
+        raise RuntimeError("boom")
+    assert nn.Linear.__init__ is linear_init and nn.Linear(2, 2).weight.numel() == 4
+
+    lin = outer
+    shard = lin.weight._zero_init_shard.clone()
+    with pytest.raises(RuntimeError, match="boom"), GatheredParameters(lin.weight, modifier_rank=0):
+        with torch.no_grad():
+            lin.weight.fill_(3.0)
+        raise RuntimeError("boom")
+    assert lin.weight.numel() == 0 and torch.equal(lin.weight._zero_init_shard, shard)
+
+
 # ------------------------------------------------------------------------------ GatheredParameters
 
 
@@ -234,7 +270,13 @@ def _gathered_body() -> None:
     """GatheredParameters at stage 3 (fp32 and bf16), on zero.Init parameters, and as a no-op at stages 0-2."""
     import torch.distributed as dist
 
-    from microspeed.zero import GatheredParameters, Init, safe_get_full_fp32_param
+    from microspeed.zero import (
+        GatheredParameters,
+        Init,
+        safe_get_full_fp32_param,
+        safe_get_full_grad,
+        safe_get_full_optimizer_state,
+    )
 
     rank, world = dist.get_rank(), dist.get_world_size()
     micro = GLOBAL_BATCH // world
@@ -314,6 +356,19 @@ def _gathered_body() -> None:
     engine, *_ = microspeed.initialize(model=model, config=_config(micro, STAGE3))
     assert torch.equal(safe_get_full_fp32_param(model[0].weight), torch.full((5, 7), 0.25))
     assert torch.equal(safe_get_full_fp32_param(model[2].weight), ref[2].weight)
+
+    # A frozen layer at stage 3: its weights are read from the partitions; no gradient, no state.
+    torch.manual_seed(8)
+    model = _mlp()
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model[0].requires_grad_(False)
+    engine, *_ = microspeed.initialize(model=model, config=_config(micro, STAGE3))
+    _train_mlp(engine, 1)
+    assert torch.equal(safe_get_full_fp32_param(model[0].weight), ref["0.weight"])
+    assert not torch.equal(safe_get_full_fp32_param(model[2].weight), ref["2.weight"])
+    assert safe_get_full_grad(model[0].weight) is None
+    assert safe_get_full_optimizer_state(model[0].weight, "exp_avg") is None
+    assert safe_get_full_optimizer_state(model[2].weight, "exp_avg").abs().sum() > 0
 
     # Stages 0, 1, 2: parameters are whole; the block does nothing and communicates nothing, so
     # one rank alone may enter it.
