@@ -16,7 +16,6 @@ import torch
 from microspeed.config import Field
 from microspeed.errors import ConfigError
 from microspeed.hookspecs import StepOutcome, hookimpl
-from microspeed_zero import checkpointing
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
 from microspeed_zero.runtime import ZeroRuntime
@@ -125,6 +124,8 @@ class ZeroPlugin:
     @hookimpl(tryfirst=True)
     def microspeed_checkpoint_module_tensors(self) -> dict | None:
         """Stage 3: parameters as this rank's shards."""
+        from microspeed_zero import checkpointing  # imports torch.distributed.checkpoint: only when used
+
         return checkpointing.module_tensors(self.rt) if self._active() else None
 
     @hookimpl(tryfirst=True)
@@ -132,6 +133,8 @@ class ZeroPlugin:
         """Partitioned masters and optimizer state, keyed as stage 0 keys them."""
         if not self._active() or self.rt.optimizer is None:
             return None
+        from microspeed_zero import checkpointing
+
         return checkpointing.save_optimizer(self.rt, tensors)
 
     @hookimpl(tryfirst=True)
@@ -139,6 +142,8 @@ class ZeroPlugin:
         """Read masters and optimizer state straight into this rank's pieces."""
         if not self._active() or self.rt.optimizer is None:
             return None
+        from microspeed_zero import checkpointing
+
         return checkpointing.load_optimizer(self.rt, saved, reader, load_states, strict, after)
 
     @hookimpl(tryfirst=True)

@@ -16,6 +16,7 @@ Built by :class:`microspeed_zero.plugin.ZeroPlugin`; kept on the engine as
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -375,6 +376,12 @@ class ZeroRuntime:
 
     def release_for_user(self, indices: list[int], modified: bool) -> None:
         """After :meth:`gather_for_user`: take modified values into shards and masters, release."""
+        resident = self.swapper.resident(writeback=True) if self.swapper is not None and modified \
+            else contextlib.nullcontext()
+        with resident:
+            self._take_user_values(indices, modified)
+
+    def _take_user_values(self, indices: list[int], modified: bool) -> None:
         for i in indices:
             seg = self.segments[i]
             if modified:
@@ -423,6 +430,12 @@ class ZeroRuntime:
 
     def state_slice(self, index: int, name: str) -> torch.Tensor | None:
         """This rank's slice of the optimizer state ``name`` over segment ``index`` (zeros where none)."""
+        if self.swapper is not None:
+            with self.swapper.resident():
+                return self._state_slice(index, name)
+        return self._state_slice(index, name)
+
+    def _state_slice(self, index: int, name: str) -> torch.Tensor | None:
         seg = self.segments[index]
         out = None
         for (rseg, _g, start, end, view), st in zip(self.optimizer.runs, self.optimizer.run_states(), strict=True):

@@ -58,6 +58,8 @@ class ParameterPartitioner:
         self.position: dict[int, list[int]] = {}
         self.handles: list[Any] = []
         self.placeholders: dict[tuple, torch.Tensor] = {}
+        self.offload = self.cfg.offload_param == "cpu"  # shards in host memory, copied over to gather
+        self.pin = self.offload and self.cfg.pin_memory and torch.cuda.is_available()
         self._partition(model)
         self._install_hooks(model)
 
@@ -103,7 +105,9 @@ class ParameterPartitioner:
                     self._point(seg, flat)
                     self.status[seg.index] = AVAILABLE
                 else:
-                    self.shards[seg.index] = flat[start:end].clone()
+                    shard = flat[start:end]
+                    self.shards[seg.index] = (shard.to("cpu", copy=True).pin_memory() if self.pin else
+                                              shard.to("cpu", copy=True)) if self.offload else shard.clone()
                     self.flats[seg.index] = flat
                     self._drop(seg)
         for module in model.modules():
@@ -129,7 +133,10 @@ class ParameterPartitioner:
     def _launch(self, seg: Segment, async_op: bool) -> None:
         flat = self.flats[seg.index]
         flat.untyped_storage().resize_(seg.padded * flat.element_size())
-        work = _gather_into(flat, self.shards[seg.index], self.group, async_op)
+        shard = self.shards[seg.index]
+        if shard.device != flat.device:  # offload_param: host shard to the compute device first
+            shard = shard.to(flat.device, non_blocking=True)
+        work = _gather_into(flat, shard, self.group, async_op)
         self.works[seg.index] = work
         self.status[seg.index] = INFLIGHT
 

@@ -171,7 +171,8 @@ class OptimizerSwapper:
         return subgroups
 
     def _write_initial(self, masters: dict[int, torch.Tensor]) -> None:
-        """Masters into their files (through the slots, two writes in flight); moments as zero (sparse) files."""
+        """Masters into their files (staged through the slots, one write in flight per slot); moments as zero
+        (sparse) files, which cost no memory."""
         pending: list[list[SwapHandle]] = [[] for _ in self._slots]
         for k, sg in enumerate(self.subgroups):
             slot = k % len(self._slots)
@@ -243,7 +244,7 @@ class OptimizerSwapper:
                     for p in sg.pieces:
                         local = rt.local_params(rt.segments[p.seg])
                         local[p.start:p.end].copy_(tensors[0][p.lo:p.hi])
-                    pass
+                    pf.mark_dirty()
                     for s in sg.segments:
                         remaining[s] -= 1
                     while done < len(order) and remaining.get(order[done].index, 0) == 0:
@@ -398,7 +399,10 @@ class OptimizerSwapper:
         self._materialized = True
 
     def evict(self) -> None:
-        """Write the resident masters (and state) back to the files, synchronously, and drop them."""
+        """Write the resident masters (and state) back to the files, synchronously, and drop them.
+
+        A no-op when nothing is resident, or inside :meth:`resident` (whose exit decides).
+        """
         if not self._resident or self._depth:
             return
         self._store_resident()

@@ -1,0 +1,96 @@
+"""ZeRO-Offload to CPU trains like no offload; bad ZeRO configs fail at initialize() naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import microspeed
+from microspeed import ConfigError
+from microspeed.testing import run_distributed
+
+
+def _model():
+    from microspeed.demo.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
+
+
+def _losses(zero, steps=4):
+    import torch.distributed as dist
+
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "gradient_clipping": 1.0, "steps_per_print": 10_000, "zero_optimization": zero}
+    engine, *_ = microspeed.initialize(model=_model(), config=cfg)
+    gen = torch.Generator().manual_seed(3)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, 64, (2 * world, 17), generator=gen)[2 * rank:2 * rank + 2]
+        loss = engine(x[:, :-1], x[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        out.append(t.item() / world)
+    rt = engine.plugin_state("zero")
+    where = {m.device.type for m in rt.masters.values()} if rt is not None else set()
+    shard_where = {s.device.type for s in rt.stage3.shards.values()} if rt is not None and rt.stage3 else set()
+    return out, where, shard_where
+
+
+def _offload_body():
+    cpu = {"device": "cpu"}
+    return [_losses({"stage": 0}),
+            _losses({"stage": 1, "offload_optimizer": cpu}),
+            _losses({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}),
+            _losses({"stage": 3, "offload_optimizer": cpu, "offload_param": cpu,
+                     "stage3_param_persistence_threshold": 0})]
+
+
+@pytest.mark.timeout(300)
+def test_cpu_offload_matches_no_offload():
+    """offload_optimizer=cpu (stages 1-3) and offload_param=cpu (stage 3): the same losses as stage 0."""
+    (ref, _, _), *runs = run_distributed(_offload_body, world_size=2, timeout=280)[0]
+    for losses, masters_on, shards_on in runs:
+        assert masters_on == {"cpu"}
+        for a, b in zip(losses, ref, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, ref)
+    assert runs[-1][2] == {"cpu"}
+
+
+def _config(zero, **extra):
+    return {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": zero, **extra}
+
+
+@pytest.mark.parametrize(("zero", "extra", "match"), [
+    ({"stage": 2, "offload_param": {"device": "cpu"}}, {},
+     r"offload_param\.device='cpu' needs zero_optimization\.stage 3 \(got stage 2\)"),
+    ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, {}, r"offload_optimizer\.device='cpu' needs .*stage >= 1"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, {}, r"offload_optimizer\.nvme_path"),
+    ({"stage": 4}, {}, r"zero_optimization\.stage: got 4; accepted values: 0, 1, 2, 3"),
+    ({"stage": 2, "reduce_bucket_sise": 5}, {}, r"reduce_bucket_sise: unknown key\. Did you mean 'reduce_bucket_size'"),
+    ({"stage": 2, "allgather_partitions": False}, {}, r"allgather_partitions: false"),
+    ({"stage": 3, "prefetch_bucket_size": 10, "stage3_prefetch_bucket_size": 20}, {}, r"same key with different"),
+    ({"stage": 1}, {"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, r"element-wise.*zero_allow_untested"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu"}}, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}},
+     r"zero_force_ds_cpu_optimizer"),
+])
+def test_bad_zero_config_is_refused_at_initialize(zero, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        microspeed.initialize(model=_model(), config={**_config(zero), **extra})
+
+
+def test_no_sync_is_refused_at_stage_2():
+    engine, *_ = microspeed.initialize(model=_model(), config=_config({"stage": 2}))
+    x = torch.randint(0, 64, (2, 17))
+    with engine.no_sync(), pytest.raises(RuntimeError, match=r"no_sync.*stage 2"):
+        engine.backward(engine(x[:, :-1], x[:, 1:]))
+
+
+def test_optimizer_state_dict_points_to_checkpoints():
+    engine, optimizer, *_ = microspeed.initialize(model=_model(), config=_config({"stage": 1}))
+    with pytest.raises(RuntimeError, match=r"save_checkpoint"):
+        optimizer.state_dict()
