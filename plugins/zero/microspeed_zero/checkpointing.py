@@ -53,7 +53,7 @@ def module_tensors(rt: Any) -> dict[str, Any] | None:
         rt.wait_gathers()
         return None
     rt.stage3.wait_all()
-    sharded = {id(p): _sharded(rt, seg, i, rt.stage3.shards[seg.index]) for seg, i, p in _params(rt)}
+    sharded = {id(p): _sharded(rt, seg, i, rt.stage3.local_shard(seg.index)) for seg, i, p in _params(rt)}
     by_name = dict(rt.engine.module.named_parameters(remove_duplicate=False))
     out = {}
     for k, v in rt.engine.module.state_dict(keep_vars=True).items():

@@ -162,7 +162,7 @@ class ZeroRuntime:
     def local_params(self, seg: Segment) -> torch.Tensor:
         """This rank's slice of ``seg``'s parameters (a view: stages 1–2 of the flat buffer, stage 3 the shard)."""
         if self.stage3 is not None:
-            return self.stage3.shards[seg.index]
+            return self.stage3.local_shard(seg.index)
         start, end = seg.slice_of(self.rank)
         return self.flats[seg.index][start:end]
 

@@ -58,8 +58,18 @@ class ParameterPartitioner:
         self.position: dict[int, list[int]] = {}
         self.handles: list[Any] = []
         self.placeholders: dict[tuple, torch.Tensor] = {}
-        self.offload = self.cfg.offload_param == "cpu"  # shards in host memory, copied over to gather
+        self.offload = self.cfg.offload_param in ("cpu", "nvme")  # shards in host memory (or files)
         self.pin = self.offload and self.cfg.pin_memory and torch.cuda.is_available()
+        self.store: Any = None  # offload_param nvme: shards beyond max_in_cpu live in files
+        self.in_files: set[int] = set()
+        self.loaded: dict[int, torch.Tensor] = {}  # file-resident shards read in for a step
+        if self.cfg.offload_param == "nvme":
+            import os
+
+            from microspeed_zero.nvme import TensorFileStore, rank_folder
+
+            folder = os.path.join(rank_folder(self.cfg.offload_param_nvme_path, comm.get_rank()), f"params{id(self)}")
+            self.store = TensorFileStore(folder)
         self._partition(model)
         self._install_hooks(model)
 
@@ -110,6 +120,8 @@ class ParameterPartitioner:
                                               shard.to("cpu", copy=True)) if self.offload else shard.clone()
                     self.flats[seg.index] = flat
                     self._drop(seg)
+        if self.store is not None:
+            self._spill_to_files()
         for module in model.modules():
             needed = sorted({assigned[id(p)] for p in module._parameters.values() if p is not None})
             if needed:
@@ -117,6 +129,30 @@ class ParameterPartitioner:
         with torch.no_grad():
             for b in model.buffers():
                 comm.broadcast(b.data, src=src, group=self.group)
+
+    def _spill_to_files(self) -> None:
+        """offload_param nvme: keep the first ``max_in_cpu`` elements of shards in memory, write the rest to files."""
+        kept = 0
+        for seg in self.segments:
+            if seg.persistent:
+                continue
+            shard = self.shards[seg.index]
+            if kept + shard.numel() <= self.cfg.max_in_cpu:
+                kept += shard.numel()
+                continue
+            self.store.write(f"shard{seg.index}", shard.contiguous())
+            self.shards[seg.index] = None
+            self.in_files.add(seg.index)
+
+    def local_shard(self, index: int) -> torch.Tensor:
+        """This rank's shard of segment ``index``; a file-resident one is read in (kept until :meth:`after_step`)."""
+        if index not in self.in_files:
+            return self.shards[index]
+        if index not in self.loaded:
+            seg = self.segments[index]
+            buf = torch.empty(seg.shard_size, dtype=seg.dtype, pin_memory=self.pin)
+            self.loaded[index] = self.store.read(f"shard{index}", buf)
+        return self.loaded[index]
 
     def _point(self, seg: Segment, flat: torch.Tensor) -> None:
         for p, view in zip(seg.params, seg.views(flat), strict=True):
@@ -134,6 +170,10 @@ class ParameterPartitioner:
         flat = self.flats[seg.index]
         flat.untyped_storage().resize_(seg.padded * flat.element_size())
         shard = self.shards[seg.index]
+        if seg.index in self.in_files:  # offload_param nvme: read for this gather only (unless held for a step)
+            shard = self.loaded.get(seg.index)
+            if shard is None:
+                shard = self.store.read(f"shard{seg.index}", torch.empty(seg.shard_size, dtype=seg.dtype))
         if shard.device != flat.device:  # offload_param: host shard to the compute device first
             shard = shard.to(flat.device, non_blocking=True)
         work = _gather_into(flat, shard, self.group, async_op)
@@ -252,7 +292,12 @@ class ParameterPartitioner:
             self.release(seg.index)
 
     def after_step(self, seg: Segment) -> None:
-        """A segment's shard was updated: refresh persistent segments' whole copy (lazily waited)."""
+        """A segment's shard was updated: refresh persistent segments' whole copy (lazily waited); write
+        a file-resident shard back."""
+        if seg.index in self.in_files:
+            shard = self.loaded.pop(seg.index)
+            self.store.write(f"shard{seg.index}", shard)
+            return
         if seg.persistent:
             self.works[seg.index] = _gather_into(self.flats[seg.index], self.shards[seg.index], self.group, True)
 
@@ -263,7 +308,7 @@ class ParameterPartitioner:
 
     def resident_bytes(self, size: Any) -> int:
         """Bytes of shards and persistent whole segments (``size`` counts each storage once)."""
-        total = sum(size(s) for s in self.shards.values())
+        total = sum(size(s) for s in self.shards.values() if s is not None)
         return total + sum(size(self.flats[s.index]) for s in self.segments if s.persistent)
 
 
@@ -278,7 +323,10 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 def _refresh_persistent(self: ParameterPartitioner) -> None:
-    """After shards were loaded from a checkpoint: make persistent segments whole again."""
+    """After shards were loaded from a checkpoint: write file-resident ones back, make persistent ones whole."""
+    for index in list(self.in_files):
+        if index in self.loaded:
+            self.after_step(self.segments[index])
     for seg in self.segments:
         if seg.persistent:
             self.works.pop(seg.index, None)

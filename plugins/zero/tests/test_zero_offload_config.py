@@ -35,29 +35,36 @@ def _losses(zero, steps=4):
         dist.all_reduce(t)
         out.append(t.item() / world)
     rt = engine.plugin_state("zero")
+    if rt is not None and rt.swapper is not None:
+        return out, {"nvme"}, {f"files:{len(rt.stage3.in_files) > 0}"}
     where = {m.device.type for m in rt.masters.values()} if rt is not None else set()
-    shard_where = {s.device.type for s in rt.stage3.shards.values()} if rt is not None and rt.stage3 else set()
+    shard_where = ({s.device.type for s in rt.stage3.shards.values() if s is not None}
+                   if rt is not None and rt.stage3 else set())
     return out, where, shard_where
 
 
-def _offload_body():
+def _offload_body(path):
     cpu = {"device": "cpu"}
+    nvme = {"device": "nvme", "nvme_path": path}
     return [_losses({"stage": 0}),
             _losses({"stage": 1, "offload_optimizer": cpu}),
             _losses({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}),
             _losses({"stage": 3, "offload_optimizer": cpu, "offload_param": cpu,
+                     "stage3_param_persistence_threshold": 0}),
+            _losses({"stage": 3, "offload_optimizer": nvme, "offload_param": {**nvme, "max_in_cpu": 2000},
                      "stage3_param_persistence_threshold": 0})]
 
 
 @pytest.mark.timeout(300)
-def test_cpu_offload_matches_no_offload():
-    """offload_optimizer=cpu (stages 1-3) and offload_param=cpu (stage 3): the same losses as stage 0."""
-    (ref, _, _), *runs = run_distributed(_offload_body, world_size=2, timeout=280)[0]
-    for losses, masters_on, shards_on in runs:
-        assert masters_on == {"cpu"}
+def test_offload_matches_no_offload(tmp_path):
+    """offload_optimizer cpu (stages 1-3), offload_param cpu (stage 3), and both on NVMe (stage 3, parameter
+    shards beyond max_in_cpu in files): the same losses as stage 0."""
+    (ref, _, _), *runs = run_distributed(_offload_body, world_size=2, args=(str(tmp_path),), timeout=280)[0]
+    for losses, _masters_on, _shards_on in runs:
         for a, b in zip(losses, ref, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (losses, ref)
-    assert runs[-1][2] == {"cpu"}
+    assert [r[1] for r in runs] == [{"cpu"}, {"cpu"}, {"cpu"}, {"nvme"}]
+    assert runs[2][2] == {"cpu"} and runs[3][2] == {"files:True"}
 
 
 def _config(zero, **extra):
