@@ -27,10 +27,9 @@ STAGE3_ALIASES = {
 
 def _offload(devices: tuple[str, ...], doc: str, extra: dict[str, Field]) -> Section:
     return Section({
-        "device": Field((str,), "none", "where the state lives: " + ", ".join(devices), choices=devices),
+        "device": Field((str,), "none", "where it lives: " + ", ".join(devices), choices=devices),
         "nvme_path": Field((str, type(None)), None, "folder (any file system) for device 'nvme'"),
         "pin_memory": Field((bool,), False, "page-locked host buffers (faster GPU<->CPU copies; CUDA only)"),
-        "buffer_count": Field((int,), 4, "in-memory buffers that stream NVMe-resident groups", positive),
         **extra,
     }, doc=doc)
 
@@ -56,11 +55,12 @@ def zero_section() -> Section:
                                           "false: an error names them"),
         "load_from_fp32_weights": Field((bool,), True, "restore fp32 masters from the checkpoint's fp32 copy; "
                                         "false: from the 16-bit weights"),
-        "offload_optimizer": _offload(("none", "cpu", "nvme"), "optimizer state (and its step) off the device",
-                                      {}),
+        "offload_optimizer": _offload(("none", "cpu", "nvme"), "optimizer state (and its step) off the device", {
+            "buffer_count": Field((int,), 4, "nvme: in-memory slots the sub-groups stream through", positive),
+        }),
         "offload_param": _offload(("none", "cpu", "nvme"), "stage 3: parameter partitions off the device", {
-            "max_in_cpu": Field(_SIZE, 1_000_000_000, "nvme: elements kept in CPU memory", non_negative),
-            "buffer_size": Field(_SIZE, 100_000_000, "nvme: elements per parameter read buffer", positive),
+            "max_in_cpu": Field(_SIZE, 1_000_000_000, "nvme: elements of parameter shards kept in CPU memory",
+                                non_negative),
         }),
     }
     for short, long in STAGE3_ALIASES.items():

@@ -228,6 +228,13 @@ class ZeroRuntime:
                             view.add_(p.grad.view_as(view))
                             p.grad = None
             return
+        if not self.cfg.ignore_unused_parameters:
+            unused = [seg.names[i] for seg in self.segments if seg.index not in self.reducer.launched
+                      for i, p in enumerate(seg.params) if p.requires_grad and p.grad is None]
+            if unused:
+                raise RuntimeError(f"zero_optimization.ignore_unused_parameters is false and these parameters got "
+                                   f"no gradient in this backward: {unused[:10]}. Use them in forward, freeze them "
+                                   f"(requires_grad=False), or set ignore_unused_parameters true.")
         self.reducer.flush()
         if self.stage3 is not None:
             self.stage3.after_backward()

@@ -101,3 +101,26 @@ def test_optimizer_state_dict_points_to_checkpoints():
     engine, optimizer, *_ = microspeed.initialize(model=_model(), config=_config({"stage": 1}))
     with pytest.raises(RuntimeError, match=r"save_checkpoint"):
         optimizer.state_dict()
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(4, 4)
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x).square().mean()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_ignore_unused_parameters(stage):
+    """Default: a parameter without a gradient is fine; with false, the error names it."""
+    cfg = _config({"stage": stage, "stage3_param_persistence_threshold": 0})
+    engine, *_ = microspeed.initialize(model=_WithUnused(), config=cfg)
+    engine.backward(engine(torch.randn(2, 4)))
+    engine.step()
+    cfg["zero_optimization"]["ignore_unused_parameters"] = False
+    engine, *_ = microspeed.initialize(model=_WithUnused(), config=cfg)
+    with pytest.raises(RuntimeError, match=r"unused\.weight"):
+        engine.backward(engine(torch.randn(2, 4)))
