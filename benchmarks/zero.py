@@ -342,6 +342,7 @@ def rank_main(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "hwm_built": mem_built["VmHWM"], "hwm_end": mem_end["VmHWM"],
         "setup_s": t_init - t_built, "start_s": t_built - t_start,
         "breakdown": breakdown_fn() if breakdown_fn is not None else None, **info,
+        "zero_sources": sources_fingerprint("microspeed_zero") if name.startswith("microspeed") else "",
     }
 
 
@@ -379,7 +380,7 @@ def run_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "loadavg_1m": [load0, os.getloadavg()[0]],
         "params": r0["params"],
         "breakdown": [r["breakdown"] for r in ranks] if r0["breakdown"] is not None else None,
-        **{k: r0[k] for k in ("plugins", "optimizer", "zero_optimization", "kernel") if k in r0},
+        **{k: r0[k] for k in ("plugins", "optimizer", "zero_optimization", "kernel", "zero_sources") if k in r0},
     }
 
 
@@ -389,7 +390,7 @@ def ds_peer(name: str) -> str | None:
 
 
 def add_ratios(results: dict[str, dict[str, Any]]) -> None:
-    """``over_ddp`` / ``rss_over_ddp``, ``over_ds`` / ``rss_over_ds`` and ``loss_max_rel_diff_vs_ddp``."""
+    """Ratios to DDP (``*over_ddp``) and to DeepSpeed at the same stage (``*over_ds``); loss agreement."""
     ddp = results.get("ddp", {})
     for name, r in results.items():
         if "failed" in r:
@@ -398,6 +399,7 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> None:
             r["over_ddp"] = r["median_step_s"] / ddp["median_step_s"]
             r["rss_over_ddp"] = r["peak_rss_mib"] / ddp["peak_rss_mib"]
             r["growth_over_ddp"] = r["peak_growth_mib"] / ddp["peak_growth_mib"]
+            r["cpu_over_ddp"] = r["median_cpu_s"] / ddp["median_cpu_s"]
             r["loss_max_rel_diff_vs_ddp"] = max(abs(a - b) / max(abs(b), 1e-12)
                                                 for a, b in zip(r["losses"], ddp["losses"], strict=True))
         peer = results.get(ds_peer(name) or "", {})
@@ -405,6 +407,7 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> None:
             r["over_ds"] = r["median_step_s"] / peer["median_step_s"]
             r["rss_over_ds"] = r["peak_rss_mib"] / peer["peak_rss_mib"]
             r["growth_over_ds"] = r["peak_growth_mib"] / peer["peak_growth_mib"]
+            r["cpu_over_ds"] = r["median_cpu_s"] / peer["median_cpu_s"]
 
 
 def fmt(v: float | None, spec: str) -> str:
@@ -413,10 +416,9 @@ def fmt(v: float | None, spec: str) -> str:
 
 
 def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
-    """The table, the microspeed memory breakdowns and the bucket comparison."""
-    print(f"\n{'engine':<22}{'median ms':>10}{'x DDP':>7}{'x DS':>7}{'fwd/bwd/step ms':>22}{'CPU ms':>9}"
-          f"{'peak MiB':>10}{'x DDP':>7}{'x DS':>7}{'growth':>8}{'pk grw':>8}{'x DDP':>7}{'x DS':>7}"
-          f"{'last loss':>11}{'rel diff':>10}")
+    """Two tables (time, memory), the microspeed memory breakdowns, the bucket comparison, per-engine facts."""
+    print(f"\n{'engine':<22}{'median ms':>10}{'x DDP':>7}{'x DS':>7}{'min ms':>9}{'max ms':>9}{'fwd/bwd/step ms':>20}"
+          f"{'CPU ms':>9}{'x DDP':>7}{'x DS':>7}{'last loss':>11}{'rel diff':>10}")
     for name in names:
         r = results[name]
         if "failed" in r:
@@ -424,14 +426,23 @@ def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
             continue
         ph = "/".join(f"{p * 1e3:.0f}" for p in r["phase_median_s"])
         print(f"{name:<22}{r['median_step_s'] * 1e3:>10.1f}{fmt(r.get('over_ddp'), '.2f'):>7}"
-              f"{fmt(r.get('over_ds'), '.2f'):>7}{ph:>22}{r['median_cpu_s'] * 1e3:>9.1f}"
-              f"{r['peak_rss_mib']:>10.0f}{fmt(r.get('rss_over_ddp'), '.2f'):>7}{fmt(r.get('rss_over_ds'), '.2f'):>7}"
-              f"{r['rss_growth_mib']:>8.0f}{r['peak_growth_mib']:>8.0f}{fmt(r.get('growth_over_ddp'), '.2f'):>7}"
-              f"{fmt(r.get('growth_over_ds'), '.2f'):>7}{r['losses'][-1]:>11.5f}"
-              f"{fmt(r.get('loss_max_rel_diff_vs_ddp'), '.1e'):>10}")
-    print("\n  x DDP / x DS: over DDP / over DeepSpeed at the same stage and bucket; growth: RSS at the end minus "
-          "after the model build; pk grw: peak RSS minus that baseline (MiB, max over ranks); rel diff: max "
-          "relative difference of the per-step losses from DDP's")
+              f"{fmt(r.get('over_ds'), '.2f'):>7}{r['min_step_s'] * 1e3:>9.1f}{r['max_step_s'] * 1e3:>9.1f}{ph:>20}"
+              f"{r['median_cpu_s'] * 1e3:>9.1f}{fmt(r.get('cpu_over_ddp'), '.2f'):>7}"
+              f"{fmt(r.get('cpu_over_ds'), '.2f'):>7}"
+              f"{r['losses'][-1]:>11.5f}{fmt(r.get('loss_max_rel_diff_vs_ddp'), '.1e'):>10}")
+    print(f"\n{'engine':<22}{'peak MiB':>10}{'x DDP':>7}{'x DS':>7}{'baseline':>10}{'growth':>8}{'pk grw':>8}"
+          f"{'x DDP':>7}{'x DS':>7}")
+    for name in names:
+        r = results[name]
+        if "failed" not in r:
+            print(f"{name:<22}{r['peak_rss_mib']:>10.0f}{fmt(r.get('rss_over_ddp'), '.2f'):>7}"
+                  f"{fmt(r.get('rss_over_ds'), '.2f'):>7}{r['rss_built_mib']:>10.0f}{r['rss_growth_mib']:>8.0f}"
+                  f"{r['peak_growth_mib']:>8.0f}{fmt(r.get('growth_over_ddp'), '.2f'):>7}"
+                  f"{fmt(r.get('growth_over_ds'), '.2f'):>7}")
+    print("\n  x DDP / x DS: over DDP / over DeepSpeed at the same stage and bucket. Time: slowest rank per step; "
+          "fwd/bwd/step: rank 0's phase medians; CPU: process CPU time per step, mean over ranks. Memory (MiB, max "
+          "over ranks): peak = VmHWM; baseline = RSS after the model build; growth = RSS at the end minus baseline; "
+          "pk grw = peak minus baseline. rel diff: max relative difference of the per-step losses from DDP's.")
     for name in names:
         r = results[name]
         if r.get("breakdown"):
@@ -442,8 +453,9 @@ def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
         a, b = results.get(f"microspeed_z{stage}", {}), results.get(f"microspeed_z{stage}_rb5e8", {})
         if "median_step_s" in a and "median_step_s" in b:
             faster = "5e6" if a["median_step_s"] < b["median_step_s"] else "5e8"
-            print(f"  microspeed stage {stage}: reduce_bucket_size 5e6 {a['median_step_s'] * 1e3:.1f} ms, "
-                  f"5e8 {b['median_step_s'] * 1e3:.1f} ms -> {faster} is faster "
+            print(f"  microspeed stage {stage}: reduce_bucket_size 5e6 {a['median_step_s'] * 1e3:.1f} ms "
+                  f"(CPU {a['median_cpu_s'] * 1e3:.1f}), 5e8 {b['median_step_s'] * 1e3:.1f} ms "
+                  f"(CPU {b['median_cpu_s'] * 1e3:.1f}) -> {faster} is faster by wall time "
                   f"({max(a['median_step_s'], b['median_step_s']) / min(a['median_step_s'], b['median_step_s']):.3f}x)")
     for name in names:
         r = results[name]
@@ -452,7 +464,8 @@ def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
                   f"load avg {r['loadavg_1m'][0]:.2f} -> {r['loadavg_1m'][1]:.2f}; "
                   f"step ms {r['step_ms'][:12]}{' ...' if len(r['step_ms']) > 12 else ''}"
                   + (f"; {r['optimizer']}" if "optimizer" in r else "") + (f"; {r['kernel']} AdamW" if "kernel" in r
-                                                                           else ""))
+                                                                           else "")
+                  + (f"; microspeed_zero {r['zero_sources']}" if r.get("zero_sources") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,12 +56,24 @@ def _steps(engine, world, rank, batches):
     return out
 
 
-def _save_body(path, precision):
+def _save_one(path, precision):
     engine, world, rank = _engine(2, precision)
     batches = _batches()
     _steps(engine, world, rank, batches[:BEFORE])
     engine.save_checkpoint(path, tag="mid")
     return _steps(engine, world, rank, batches[BEFORE:])
+
+
+def _save_body(fp32_path, bf16_path):
+    return _save_one(fp32_path, None), _save_one(bf16_path, "bf16")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Stage 2 on 2 ranks, fp32 and bf16: checkpoints after 2 steps and the uninterrupted losses after them."""
+    fp32, bf16 = str(tmp_path_factory.mktemp("fp32")), str(tmp_path_factory.mktemp("bf16"))
+    losses = run_distributed(_save_body, world_size=2, args=(fp32, bf16), timeout=280)[0]
+    return {"fp32": (fp32, losses[0]), "bf16": (bf16, losses[1])}
 
 
 def _load_body(path, stage, precision, extra=None):
@@ -71,11 +83,10 @@ def _load_body(path, stage, precision, extra=None):
     return _steps(engine, world, rank, _batches()[BEFORE:]), engine.get_lr()
 
 
-@pytest.mark.timeout(300)
-def test_resume_across_stages_and_world_sizes(tmp_path):
+@pytest.mark.timeout(600)
+def test_resume_across_stages_and_world_sizes(saved):
     """Stage 2 / 2 ranks -> stage 3 / 4 ranks and stage 1 / 1 rank: the same losses as not stopping."""
-    path = str(tmp_path)
-    uninterrupted = run_distributed(_save_body, world_size=2, args=(path, None), timeout=200)[0]
+    path, uninterrupted = saved["fp32"]
     for world, stage in ((4, 3), (1, 1)):
         resumed, lr = run_distributed(_load_body, world_size=world, args=(path, stage, None), timeout=200)[0]
         for a, b in zip(resumed, uninterrupted, strict=True):
@@ -83,11 +94,10 @@ def test_resume_across_stages_and_world_sizes(tmp_path):
         assert lr == [pytest.approx(1e-2)], lr
 
 
-@pytest.mark.timeout(300)
-def test_bf16_resume_keeps_fp32_masters(tmp_path):
+@pytest.mark.timeout(600)
+def test_bf16_resume_keeps_fp32_masters(saved):
     """bf16 stage 2 -> bf16 stage 3 on 2 ranks: fp32 masters come back exactly, so losses continue exactly."""
-    path = str(tmp_path)
-    uninterrupted = run_distributed(_save_body, world_size=2, args=(path, "bf16"), timeout=200)[0]
+    path, uninterrupted = saved["bf16"]
     resumed, _ = run_distributed(_load_body, world_size=2, args=(path, 3, "bf16"), timeout=200)[0]
     for a, b in zip(resumed, uninterrupted, strict=True):
         assert abs(a - b) <= 1e-3 * abs(b), (resumed, uninterrupted)

@@ -370,22 +370,26 @@ def _gathered_body() -> None:
     assert safe_get_full_optimizer_state(model[0].weight, "exp_avg") is None
     assert safe_get_full_optimizer_state(model[2].weight, "exp_avg").abs().sum() > 0
 
-    # Stages 0, 1, 2: parameters are whole; the block does nothing and communicates nothing, so
-    # one rank alone may enter it.
+    # Stages 0, 1, 2: parameters are whole; the block changes nothing and communicates nothing, so
+    # one rank alone may enter it. (With overlap_comm, stages 1 and 2 finish the step's parameter
+    # all-gather lazily; the block waits for it, so inside it the values are the stepped ones.)
     for stage in (0, 1, 2):
         torch.manual_seed(6)
         model = _mlp()
         if stage:
             engine, *_ = microspeed.initialize(model=model, config=_config(micro, {"stage": stage}))
             _train_mlp(engine, 1)
-        before = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+        ptrs = [p.data_ptr() for p in model.parameters()]
         if rank == 0:
             with GatheredParameters(list(model.parameters()), modifier_rank=0):
-                for p, (ptr, value) in zip(model.parameters(), before, strict=True):
-                    assert p.data_ptr() == ptr and torch.equal(p, value)
-        for p, (ptr, value) in zip(model.parameters(), before, strict=True):
-            assert p.data_ptr() == ptr and torch.equal(p, value)
+                inside = [p.detach().clone() for p in model.parameters()]
+            for p, ptr, value in zip(model.parameters(), ptrs, inside, strict=True):
+                assert p.data_ptr() == ptr and torch.equal(p, value)
         dist.barrier()
+        full = [safe_get_full_fp32_param(p) for p in model.parameters()]  # collective at stages 1, 2
+        assert [p.data_ptr() for p in model.parameters()] == ptrs
+        if rank == 0:
+            assert all(torch.equal(f, v) for f, v in zip(full, inside, strict=True)), stage
         if stage:
             _train_mlp(engine, 1)
 
