@@ -438,9 +438,22 @@ def _reference_run(stage: int, world: int) -> dict:
     return out
 
 
-def _safe_get_body(stages: tuple[int, ...]) -> dict:
-    """Every stage in one process group; every rank returns what it got (they must agree)."""
-    return {stage: _reference_run(stage, microspeed.comm.get_world_size()) for stage in stages}
+def _safe_get_body(stages: tuple[int, ...], check_init: bool) -> dict:
+    """Every stage in one process group; every rank returns what it got (they must agree).
+
+    With ``check_init``, first the cheap zero.Init checks at this world size (shard sizes, values).
+    """
+    world = microspeed.comm.get_world_size()
+    if check_init:
+        from microspeed.zero import Init
+
+        with Init():
+            torch.manual_seed(0)
+            net = Nested()
+        torch.manual_seed(0)
+        _same_as(net, Nested())
+        assert all(p.numel() == 0 and p._zero_init_shard.numel() == -(-p.ds_numel // world) for p in net.parameters())
+    return {stage: _reference_run(stage, world) for stage in stages}
 
 
 @pytest.fixture(scope="module")
@@ -452,9 +465,12 @@ def single_process_reference():
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
 def test_safe_get_full_matches_single_process(world, single_process_reference):
-    """safe_get_full_grad / fp32_param / optimizer_state at stages 1-3 equal the stage-0 one-process values."""
+    """safe_get_full_grad / fp32_param / optimizer_state at stages 1-3 equal the stage-0 one-process values.
+
+    On 4 ranks (stage 3 only, to stay cheap) zero.Init's shards are checked at that world size too.
+    """
     stages = (1, 2, 3) if world == 2 else (3,)
-    per_rank = run_distributed(_safe_get_body, world_size=world, args=(stages,), timeout=140)
+    per_rank = run_distributed(_safe_get_body, world_size=world, args=(stages, world == 4), timeout=140)
     for rank, results in enumerate(per_rank):
         for stage, got in results.items():
             for kind, want in single_process_reference.items():
