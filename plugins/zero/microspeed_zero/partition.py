@@ -41,7 +41,8 @@ class Segment:
     persistent: bool = False
 
     def __post_init__(self) -> None:
-        self.shapes = [tuple(getattr(p, "ds_shape", None) or p.shape) for p in self.params]
+        self.shapes = [tuple(p.ds_shape) if getattr(p, "ds_shape", None) is not None else tuple(p.shape)
+                       for p in self.params]
         self.numels = [int(torch.Size(s).numel()) for s in self.shapes]
         self.offsets, total = [], 0
         for n in self.numels:

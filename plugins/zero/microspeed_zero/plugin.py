@@ -61,11 +61,17 @@ class ZeroPlugin:
         self.rt = ZeroRuntime(engine, self.cfg)
         engine.set_plugin_state("zero", self.rt)
 
-    @hookimpl
+    @hookimpl(tryfirst=True)
     def microspeed_after_model_ready(self, engine, model: torch.nn.Module) -> None:
-        """Stage 3: partition the parameters now, before the optimizer is built."""
+        """Stage 3: partition the parameters now, before the optimizer is built; otherwise make
+        parameters built under ``zero.Init`` whole (before data parallel broadcasts them)."""
         if self._active() and self.cfg.stage == 3:
             self.rt.partition_parameters(model)
+            self.rt.tag_parameters()
+        else:
+            from microspeed_zero.init import materialize
+
+            materialize(model.parameters())
 
     @hookimpl(tryfirst=True)
     def microspeed_wrap_optimizer(self, engine, optimizer: Any) -> Any:

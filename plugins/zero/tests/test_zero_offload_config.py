@@ -124,3 +124,18 @@ def test_ignore_unused_parameters(stage):
     engine, *_ = microspeed.initialize(model=_WithUnused(), config=cfg)
     with pytest.raises(RuntimeError, match=r"unused\.weight"):
         engine.backward(engine(torch.randn(2, 4)))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_init_built_model_trains_below_stage_3(stage):
+    """A model built under zero.Init is made whole again when the engine does not partition parameters."""
+    import microspeed.zero
+
+    with microspeed.zero.Init():
+        model = _model()
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine, *_ = microspeed.initialize(model=model, config=_config({"stage": stage}))
+    x = torch.randint(0, 64, (2, 17))
+    engine.backward(engine(x[:, :-1], x[:, 1:]))
+    engine.step()
+    assert engine.module.tok_emb.weight.shape == (64, 32)
