@@ -71,18 +71,18 @@ import torch  # noqa: E402
 LR, BETAS, EPS, ADAMW_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = 28  # fp32 Adam: read p, g, m, v; write p, m, v
 
-#: name -> (mode, description); mode "adam" (weight_decay 0) or "adamw" (decoupled, 0.01).
-IMPLS: dict[str, tuple[str, str]] = {
-    "microspeed_adam": ("adam", 'build_optimizer({"type": "Adam"})'),
-    "microspeed_adamw": ("adamw", 'build_optimizer({"type": "AdamW", weight_decay 0.01})'),
-    "torch_adam_fused": ("adam", "torch.optim.Adam(fused=True)"),
-    "torch_adam_foreach": ("adam", "torch.optim.Adam(foreach=True)"),
-    "torch_adam_forloop": ("adam", "torch.optim.Adam(foreach=False)"),
-    "torch_adamw_fused": ("adamw", "torch.optim.AdamW(fused=True)"),
-    "torch_adamw_foreach": ("adamw", "torch.optim.AdamW(foreach=True)"),
-    "torch_adamw_forloop": ("adamw", "torch.optim.AdamW(foreach=False)"),
-    "deepspeed_adam": ("adam", "DeepSpeedCPUAdam(adamw_mode=False)"),
-    "deepspeed_adamw": ("adamw", "DeepSpeedCPUAdam(adamw_mode=True, weight_decay 0.01)"),
+#: Every implementation, by name -> its mode: "adam" (weight_decay 0) or "adamw" (decoupled, 0.01).
+IMPLS: dict[str, str] = {
+    "microspeed_adam": "adam",  # build_optimizer({"type": "Adam", ...})
+    "microspeed_adamw": "adamw",  # build_optimizer({"type": "AdamW", ..., "weight_decay": 0.01})
+    "torch_adam_fused": "adam",
+    "torch_adam_foreach": "adam",
+    "torch_adam_forloop": "adam",
+    "torch_adamw_fused": "adamw",
+    "torch_adamw_foreach": "adamw",
+    "torch_adamw_forloop": "adamw",
+    "deepspeed_adam": "adam",  # DeepSpeedCPUAdam(adamw_mode=False)
+    "deepspeed_adamw": "adamw",  # DeepSpeedCPUAdam(adamw_mode=True, weight_decay=0.01)
 }
 DS_OF_MODE = {"adam": "deepspeed_adam", "adamw": "deepspeed_adamw"}
 #: What runs without ``--impls`` (the AdamW for-loop and foreach kernels add a minute and tell nothing new).
@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0,
                    help="seconds per subprocess (the first DeepSpeed one may JIT-build cpu_adam for minutes)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # an impl name, or "check"
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # an impl, "interleave" or "check"
     p.add_argument("--worker-threads", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_optimizer(impl: str, param: torch.Tensor) -> torch.optim.Optimizer:
     """The optimizer ``impl`` names, over the single tensor ``param``."""
-    mode = IMPLS[impl][0]
+    mode = IMPLS[impl]
     decay = ADAMW_DECAY if mode == "adamw" else 0.0
     if impl.startswith("microspeed_"):
         from microspeed.builtin.optimizers import build_optimizer
@@ -250,7 +250,7 @@ def check_impls(impls: list[str], n: int, steps: int, seed: int) -> dict[str, An
     moved = {mode: (ref - start.double()).abs().max().item() for mode, ref in refs.items()}
     rows = {}
     for impl, p in finals.items():
-        mode = IMPLS[impl][0]
+        mode = IMPLS[impl]
         ds = finals.get(DS_OF_MODE[mode])
         rows[impl] = {"max_abs_vs_deepspeed": None if ds is None else (p - ds).abs().max().item(),
                       "max_abs_vs_fp64": (p.double() - refs[mode]).abs().max().item()}
@@ -339,7 +339,7 @@ def add_paired_ratios(rows: list[dict[str, Any]]) -> None:
     """Interleaved runs: the median over steps of (this impl's step time / DeepSpeed's step time taken next to it)."""
     by_key = {(r["impl"], r["threads"]): r for r in rows if "error" not in r}
     for (impl, threads), r in by_key.items():
-        ds = by_key.get((DS_OF_MODE[IMPLS[impl][0]], threads))
+        ds = by_key.get((DS_OF_MODE[IMPLS[impl]], threads))
         for n, v in r["sizes"].items():
             if ds is not None and len(ds["sizes"][n]["wall_s"]) == len(v["wall_s"]):
                 v["paired_ratio_vs_deepspeed"] = statistics.median(
@@ -362,7 +362,7 @@ def timing_table(rows: list[dict[str, Any]], sizes: list[int], threads: int, key
         if "error" in r:
             lines.append(f"| {impl} | **failed**: {r['error'][:300]} |" + " |" * (len(sizes) + 2 + paired))
             continue
-        ds = by_impl.get(DS_OF_MODE[IMPLS[impl][0]], {})
+        ds = by_impl.get(DS_OF_MODE[IMPLS[impl]], {})
         cells, ratios = [], []
         for n in sizes:
             ns = r["sizes"][str(n)][key]

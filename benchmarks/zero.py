@@ -111,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--clip", type=float, default=1.0, help="gradient_clipping for every engine (0 = off)")
     p.add_argument("--reduce-bucket", type=float, default=5e6, help="reduce_bucket_size of the ZeRO engines")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the engine list this many times, round robin; medians pool every repeat's steps")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine, start-up included")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
@@ -350,37 +352,59 @@ def rank_main(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run engine ``name`` in a fresh process group; summarize its ranks (or record its failure)."""
+    """Run engine ``name`` once in a fresh process group; its per-step numbers (or its failure)."""
     load0, t0 = os.getloadavg()[0], time.perf_counter()
     try:
         ranks = run_distributed(rank_main, world_size=args.world, args=(name, args), timeout=args.timeout)
     except DistributedTestError as exc:
         return {"failed": str(exc), "wall_s": time.perf_counter() - t0}
-    per_step = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
-    losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(args.warmup + args.steps)]
     mib = 2**20
     r0 = ranks[0]
     return {
-        "median_step_s": statistics.median(per_step),
-        "min_step_s": min(per_step),
-        "max_step_s": max(per_step),
-        "step_ms": [round(t * 1e3, 2) for t in per_step],
-        "phase_median_s": [statistics.median(p[k] for p in r0["phases"]) for k in range(3)],
-        "median_cpu_s": statistics.median(statistics.fmean(r["cpu"][i] for r in ranks) for i in range(args.steps)),
-        "losses": losses,
+        "step_s": [max(r["times"][i] for r in ranks) for i in range(args.steps)],
+        "cpu_s": [statistics.fmean(r["cpu"][i] for r in ranks) for i in range(args.steps)],
+        "phases_s": r0["phases"],
+        "losses": [statistics.fmean(r["losses"][i] for r in ranks) for i in range(args.warmup + args.steps)],
         "peak_rss_mib": max(r["hwm_end"] for r in ranks) / mib,
         "peak_rss_per_rank_mib": [r["hwm_end"] / mib for r in ranks],
         "rss_growth_mib": max(r["rss_end"] - r["rss_built"] for r in ranks) / mib,
         "peak_growth_mib": max(r["hwm_end"] - r["rss_built"] for r in ranks) / mib,
         "rss_built_mib": max(r["rss_built"] for r in ranks) / mib,
-        "hwm_before_build_ok": all(r["hwm_built"] <= r["hwm_end"] for r in ranks),
         "setup_s": max(r["setup_s"] for r in ranks),
         "start_s": max(r["start_s"] for r in ranks),
         "wall_s": time.perf_counter() - t0,
         "loadavg_1m": [load0, os.getloadavg()[0]],
-        "params": r0["params"],
         "breakdown": [r["breakdown"] for r in ranks] if r0["breakdown"] is not None else None,
         **{k: r0[k] for k in ("plugins", "optimizer", "zero_optimization", "kernel", "zero_sources") if k in r0},
+    }
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's repeats pooled: medians over every timed step, memory maxima, per-repeat medians."""
+    failed = [r["failed"] for r in runs if "failed" in r]
+    if failed:
+        return {"failed": failed[0], "wall_s": sum(r["wall_s"] for r in runs)}
+    steps = [t for r in runs for t in r["step_s"]]
+    phases = [p for r in runs for p in r["phases_s"]]
+    first = runs[0]
+    return {
+        "median_step_s": statistics.median(steps),
+        "min_step_s": min(steps),
+        "max_step_s": max(steps),
+        "repeat_median_step_s": [statistics.median(r["step_s"]) for r in runs],
+        "step_ms": [round(t * 1e3, 2) for t in steps],
+        "phase_median_s": [statistics.median(p[k] for p in phases) for k in range(3)],
+        "median_cpu_s": statistics.median(c for r in runs for c in r["cpu_s"]),
+        "losses": first["losses"],
+        "repeat_loss_max_abs_diff": max(abs(a - b) for r in runs for a, b in zip(r["losses"], first["losses"],
+                                                                                strict=True)),
+        **{k: max(r[k] for r in runs) for k in ("peak_rss_mib", "rss_growth_mib", "peak_growth_mib", "rss_built_mib",
+                                                 "setup_s", "start_s")},
+        "peak_rss_per_rank_mib": [r["peak_rss_per_rank_mib"] for r in runs],
+        "wall_s": sum(r["wall_s"] for r in runs),
+        "loadavg_1m": [x for r in runs for x in r["loadavg_1m"]],
+        "zero_sources": sorted({r.get("zero_sources", "") for r in runs} - {""}),
+        **{k: first[k] for k in ("breakdown", "plugins", "optimizer", "zero_optimization", "kernel") if k in first},
     }
 
 
@@ -400,6 +424,8 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> None:
             r["rss_over_ddp"] = r["peak_rss_mib"] / ddp["peak_rss_mib"]
             r["growth_over_ddp"] = r["peak_growth_mib"] / ddp["peak_growth_mib"]
             r["cpu_over_ddp"] = r["median_cpu_s"] / ddp["median_cpu_s"]
+            r["repeat_over_ddp"] = [a / b for a, b in zip(r["repeat_median_step_s"], ddp["repeat_median_step_s"],
+                                                          strict=True)]
             r["loss_max_rel_diff_vs_ddp"] = max(abs(a - b) / max(abs(b), 1e-12)
                                                 for a, b in zip(r["losses"], ddp["losses"], strict=True))
         peer = results.get(ds_peer(name) or "", {})
@@ -477,21 +503,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.seq_len} tokens, {'bf16' if args.bf16 else 'fp32'}, AdamW lr {args.lr}, clip {args.clip}, "
           f"{args.warmup} warm-up + {args.steps} timed steps; torch {torch.__version__}, Python "
           f"{platform.python_version()}, {os.cpu_count()} CPUs, gloo, 1 thread/rank", flush=True)
-    results: dict[str, dict[str, Any]] = {}
-    for name in args.engine_list:
-        print(f"  running {name} ...", flush=True)
-        results[name] = run_engine(name, args)
-        r = results[name]
-        if "failed" in r:
-            print(f"  {name} FAILED after {r['wall_s']:.0f} s:\n{r['failed']}", flush=True)
-        else:
-            print(f"  {name}: median {r['median_step_s'] * 1e3:.1f} ms/step, peak RSS {r['peak_rss_mib']:.0f} MiB, "
-                  f"last loss {r['losses'][-1]:.5f} ({r['wall_s']:.0f} s)", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.engine_list}
+    for rep in range(args.repeats):  # round robin: slow drifts of a shared machine hit every engine alike
+        for name in args.engine_list:
+            print(f"  running {name}" + (f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else "") + " ...",
+                  flush=True)
+            r = run_engine(name, args)
+            runs[name].append(r)
+            if "failed" in r:
+                print(f"  {name} FAILED after {r['wall_s']:.0f} s:\n{r['failed']}", flush=True)
+            else:
+                print(f"  {name}: median {statistics.median(r['step_s']) * 1e3:.1f} ms/step, peak RSS "
+                      f"{r['peak_rss_mib']:.0f} MiB, last loss {r['losses'][-1]:.5f} ({r['wall_s']:.0f} s)", flush=True)
+    results = {name: combine(rs) for name, rs in runs.items()}
     add_ratios(results)
     print_report(results, args.engine_list)
     meta = {
         "benchmark": "zero", "model": str(cfg), "params": n_params, "world": args.world, "micro": args.micro,
-        "steps": args.steps, "warmup": args.warmup, "bf16": args.bf16, "lr": args.lr, "clip": args.clip,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "bf16": args.bf16, "lr": args.lr, "clip": args.clip,
         "reduce_bucket": args.reduce_bucket, "torch": torch.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "microspeed_core": core_fingerprint(),
         "microspeed_zero": sources_fingerprint("microspeed_zero"), "argv": sys.argv[1:],

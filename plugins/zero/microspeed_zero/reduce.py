@@ -105,11 +105,15 @@ class GradientReducer:
             grad = params[0].grad  # reduce the gradient itself, no staging copy
             params[0].grad = None
             return grad.view(-1)
-        buf = torch.zeros(seg.padded, dtype=dtype, device=seg.params[0].device)
+        buf = torch.empty(seg.padded, dtype=dtype, device=seg.params[0].device)
+        buf[seg.numel:].zero_()  # padding; every parameter's stretch is written below
         views = seg.views(buf)
         present = [(v, p.grad) for v, p in zip(views, params, strict=True) if p.grad is not None]
         if present:
             torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+        for v, p in zip(views, params, strict=True):
+            if p.grad is None:
+                v.zero_()
         for p in params:
             p.grad = None
         return buf
