@@ -205,7 +205,7 @@ def time_impls(impls: list[str], sizes: list[int], warmup: int, steps: int, seed
         wall: dict[str, list[float]] = {impl: [] for impl in opts}
         cpu: dict[str, list[float]] = {impl: [] for impl in opts}
         order = list(opts)
-        for i in range(steps):
+        for i in range(steps if order else 0):
             for impl in order[i % len(order):] + order[:i % len(order)]:  # rotate: no impl always goes first
                 w0, c0 = time.perf_counter(), time.process_time()
                 opts[impl].step()
