@@ -1,11 +1,12 @@
 """ZeRO stages 1–3: microspeed vs DeepSpeed 0.19.8 vs torch DDP and FSDP2, step time and peak memory.
 
-Usage (2 ranks, gloo, CPU; the full run takes about 10 minutes on 2 cores)::
+Usage (2 ranks, gloo, CPU; the default run takes about 9 minutes on 2 idle cores, 13 under other load)::
 
     python benchmarks/zero.py                       # every default engine, full-size model
     python benchmarks/zero.py --small               # quick smoke run on a tiny model (about 2 minutes)
     python benchmarks/zero.py --engines ddp,microspeed_z2,deepspeed_z2 --steps 20 --warmup 3
     python benchmarks/zero.py --json-out zero.json  # also write every number as JSON
+    python benchmarks/zero.py --repeats 3           # the engine list 3 times, round robin (a shared machine)
 
 What is measured, and how:
 
@@ -33,7 +34,10 @@ What is measured, and how:
   ``dist.barrier()``; its time is the slowest rank's ``perf_counter`` around forward + backward +
   optimizer step; the median over the timed steps is reported, with the split into forward / backward /
   step (medians of each phase, rank 0; asynchronous communication lands in whichever phase waits for it)
-  and the process CPU time per step (mean over ranks).
+  and the process CPU time per step (mean over ranks). With ``--repeats N`` the whole engine list runs N
+  times, round robin (fresh processes each time), and the medians pool every repeat's steps; the ratio to
+  DDP of each repeat's median is printed too (on a machine shared with other work, load swings between
+  engines run minutes apart otherwise decide the ratios).
 * **Memory**: peak RSS is ``VmHWM`` from ``/proc/self/status`` at the end, the maximum over ranks
   (it includes the interpreter, torch and the framework's imports: DeepSpeed's alone are ~100–200 MiB);
   ``growth`` is ``VmRSS`` at the end minus ``VmRSS`` right after the model was built (what the engine
@@ -487,11 +491,14 @@ def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
         r = results[name]
         if "failed" not in r:
             print(f"  {name}: start {r['start_s']:.1f} s, set-up {r['setup_s']:.1f} s, whole run {r['wall_s']:.0f} s, "
-                  f"load avg {r['loadavg_1m'][0]:.2f} -> {r['loadavg_1m'][1]:.2f}; "
+                  f"load avg {' -> '.join(f'{x:.2f}' for x in r['loadavg_1m'])}; "
                   f"step ms {r['step_ms'][:12]}{' ...' if len(r['step_ms']) > 12 else ''}"
                   + (f"; {r['optimizer']}" if "optimizer" in r else "") + (f"; {r['kernel']} AdamW" if "kernel" in r
                                                                            else "")
-                  + (f"; microspeed_zero {r['zero_sources']}" if r.get("zero_sources") else ""))
+                  + (f"; microspeed_zero {','.join(r['zero_sources'])}" if r.get("zero_sources") else "")
+                  + (f"; per-repeat medians {[round(t * 1e3) for t in r['repeat_median_step_s']]} ms, x DDP "
+                     f"{[round(x, 2) for x in r['repeat_over_ddp']]}" if len(r["repeat_median_step_s"]) > 1
+                     and "repeat_over_ddp" in r else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     print_report(results, args.engine_list)
     meta = {
         "benchmark": "zero", "model": str(cfg), "params": n_params, "world": args.world, "micro": args.micro,
-        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "bf16": args.bf16, "lr": args.lr, "clip": args.clip,
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "bf16": args.bf16, "lr": args.lr,
+        "clip": args.clip,
         "reduce_bucket": args.reduce_bucket, "torch": torch.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "microspeed_core": core_fingerprint(),
         "microspeed_zero": sources_fingerprint("microspeed_zero"), "argv": sys.argv[1:],

@@ -9,9 +9,11 @@
   asynchronously; the rank's slice of the result is added to its gradient partition. At most
   two buckets are in flight, so gradient memory stays a partition plus two buckets.
 
-The collective is chosen per backend (``reduce_scatter: true``): gloo's all-reduce is faster
-than its reduce-scatter (the ring moves the same bytes, its reduce-scatter does not use it), so
-on gloo a bucket is all-reduced and each rank keeps its slice; NCCL reduce-scatters.
+The collective is chosen per backend (``reduce_scatter: true``,
+:class:`microspeed_zero.collectives.PartitionedReduce`): gloo ``all_to_all_single`` plus a local
+sum, NCCL ``reduce_scatter_tensor``; ``reduce_scatter: false`` all-reduces the whole bucket.
+Staging and receive buffers come from a small pool, allocated once (fresh large allocations cost
+page faults every step on CPU).
 Scaling follows DeepSpeed's ``prescale_gradients`` / ``gradient_predivide_factor``.
 """
 
@@ -21,21 +23,11 @@ from collections import deque
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from microspeed import comm
+from microspeed_zero.collectives import PartitionedReduce
 from microspeed_zero.partition import Segment
 
 MAX_IN_FLIGHT = 2
-
-
-def prefers_reduce_scatter(group: Any) -> bool:
-    """Whether the group's backend reduce-scatters faster than it all-reduces (NCCL yes, gloo no)."""
-    try:
-        backend = dist.get_backend(group)
-    except Exception:
-        return False
-    return str(backend).lower() == "nccl"
 
 
 class Scaling:
@@ -44,6 +36,23 @@ class Scaling:
     def __init__(self, world: int, prescale: bool, predivide: float) -> None:
         self.pre = 1.0 / world if prescale else 1.0 / predivide
         self.post = 1.0 if prescale else predivide / world
+
+
+class BufferPool:
+    """Reusable flat buffers by (dtype, size, device): allocated once, handed out again."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(self, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``size`` elements (contents undefined)."""
+        bucket = self.free.get((size, dtype, str(device)))
+        return bucket.pop() if bucket else torch.empty(size, dtype=dtype, device=device)
+
+    def put(self, buf: torch.Tensor | None) -> None:
+        """Give ``buf`` back for reuse."""
+        if buf is not None:
+            self.free.setdefault((buf.numel(), buf.dtype, str(buf.device)), []).append(buf)
 
 
 class GradientReducer:
@@ -55,12 +64,13 @@ class GradientReducer:
         self.segments, self.stage, self.group, self.scaling = segments, stage, group, scaling
         self.acc = accumulators  # segment index -> stage 1: whole flat gradient; stage 2/3: this rank's slice
         self.wire_dtype = wire_dtype
-        self.use_rs = reduce_scatter and prefers_reduce_scatter(group)
         self.contiguous = contiguous
         self.world, self.rank = segments[0].world if segments else 1, segments[0].rank if segments else 0
+        self.collective = PartitionedReduce(group, self.world, self.rank, reduce_scatter)
+        self.pool = BufferPool()
         self.ready: dict[int, int] = {}
         self.launched: set[int] = set()
-        self.pending: deque[tuple[Segment, torch.Tensor, Any]] = deque()
+        self.pending: deque[tuple[Segment, tuple, Any]] = deque()
         self.on_reduced: Any = None  # stage 3: release a segment's parameters once its gradients left
         self.by_param: dict[int, Segment] = {id(p): s for s in segments for p in s.params}
 
@@ -79,33 +89,32 @@ class GradientReducer:
     def launch(self, seg: Segment) -> None:
         """Start reducing ``seg`` (gradients of parameters that have none count as zeros)."""
         self.launched.add(seg.index)
+        if self.stage != 1:
+            while len(self.pending) >= MAX_IN_FLIGHT:
+                self._finish(*self.pending.popleft())
+        pooled = None
         if self.stage == 1:
             wire = self.acc[seg.index]
             if self.wire_dtype is not None and wire.dtype != self.wire_dtype:
-                wire = wire.to(self.wire_dtype)
+                pooled = self.pool.get(wire.numel(), self.wire_dtype, wire.device)
+                wire = pooled.copy_(wire)
         else:
-            wire = self._stage(seg)
+            wire, pooled = self._stage(seg)
         if self.scaling.pre != 1.0:
             wire.mul_(self.scaling.pre)
-        while len(self.pending) >= MAX_IN_FLIGHT and self.stage != 1:
-            self._finish(*self.pending.popleft())
-        if self.use_rs:
-            out = torch.empty(seg.shard_size, dtype=wire.dtype, device=wire.device)
-            work = comm.reduce_scatter_tensor(out, wire, group=self.group, async_op=True)
-            self.pending.append((seg, (wire, out), work))
-        else:
-            work = comm.all_reduce(wire, group=self.group, async_op=True)
-            self.pending.append((seg, (wire, None), work))
+        out = self.pool.get(wire.numel(), wire.dtype, wire.device) if self.collective.needs_out else None
+        work = self.collective.start(wire, out)
+        self.pending.append((seg, (wire, out, pooled), work))
 
-    def _stage(self, seg: Segment) -> torch.Tensor:
+    def _stage(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = seg.params
         dtype = self.wire_dtype or seg.dtype
-        if (not self.contiguous and not self.use_rs and len(params) == 1 and params[0].grad is not None
-                and params[0].grad.dtype == dtype):
+        if (not self.contiguous and not self.collective.needs_out and len(params) == 1
+                and params[0].grad is not None and params[0].grad.dtype == dtype):
             grad = params[0].grad  # reduce the gradient itself, no staging copy
             params[0].grad = None
-            return grad.view(-1)
-        buf = torch.empty(seg.padded, dtype=dtype, device=seg.params[0].device)
+            return grad.view(-1), None
+        buf = self.pool.get(seg.padded, dtype, seg.params[0].device)
         buf[seg.numel:].zero_()  # padding; every parameter's stretch is written below
         views = seg.views(buf)
         present = [(v, p.grad) for v, p in zip(views, params, strict=True) if p.grad is not None]
@@ -114,30 +123,38 @@ class GradientReducer:
         for v, p in zip(views, params, strict=True):
             if p.grad is None:
                 v.zero_()
-        for p in params:
             p.grad = None
-        return buf
+        return buf, buf
 
-    def _finish(self, seg: Segment, bufs: tuple[torch.Tensor, torch.Tensor | None], work: Any) -> None:
+    def _finish(self, seg: Segment, bufs: tuple, work: Any) -> None:
         if work is not None:
             work.wait()
-        wire, out = bufs
+        wire, out, pooled = bufs
         acc = self.acc[seg.index]
-        if self.stage == 1:
-            if self.scaling.post != 1.0:
-                wire.mul_(self.scaling.post)
+        post = self.scaling.post
+        if self.stage == 1 and not self.collective.needs_out:  # whole bucket all-reduced in place
+            if post != 1.0:
+                wire.mul_(post)
             if wire is not acc:
                 acc.copy_(wire)
-            return
-        start, end = seg.slice_of(self.rank)
-        mine = out if out is not None else wire[start:min(end, wire.numel())]
-        if mine.numel() < acc.numel():  # a single-parameter segment reduced without padding
-            acc = acc[:mine.numel()]
-        if self.scaling.post != 1.0:
-            acc.add_(mine.to(acc.dtype), alpha=self.scaling.post)
         else:
-            acc.add_(mine.to(acc.dtype))
-        if self.on_reduced is not None:
+            rows = self.collective.rows(wire, out, seg.shard_size)
+            if self.stage == 1:
+                start, _ = seg.slice_of(self.rank)
+                target = acc[start:start + seg.shard_size]
+                target.copy_(rows[0])
+                for row in rows[1:]:
+                    target.add_(row)
+                if post != 1.0:
+                    target.mul_(post)
+            else:
+                if rows[0].numel() < acc.numel():  # a single-parameter segment reduced without padding
+                    acc = acc[:rows[0].numel()]
+                for row in rows:
+                    acc.add_(row, alpha=post)
+        self.pool.put(out)
+        self.pool.put(pooled)
+        if self.on_reduced is not None and self.stage != 1:
             self.on_reduced(seg)
 
     # -- end of backward / boundary ----------------------------------------------------------

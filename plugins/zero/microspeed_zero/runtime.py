@@ -25,6 +25,7 @@ import torch.distributed as dist
 from microspeed import comm
 from microspeed.builtin.loss_scaler import has_inf_or_nan
 from microspeed.hookspecs import StepOutcome
+from microspeed_zero.collectives import gather_slices
 from microspeed_zero.config import ZeroConfig
 from microspeed_zero.optimizer import ZeroOptimizer
 from microspeed_zero.partition import Segment, cut_segments
@@ -338,18 +339,14 @@ class ZeroRuntime:
         self.launch_gather(seg)
 
     def launch_gather(self, seg: Segment) -> None:
-        """Stages 1, 2: all-gather every rank's updated slice into the flat buffer (asynchronously)."""
+        """Stages 1, 2: gather every rank's updated slice into the flat buffer (asynchronously), in chunks
+        of at most ``allgather_bucket_size`` elements over all ranks."""
         flat = self.flats[seg.index]
         S, r = seg.shard_size, self.rank
         per = max(1, self.cfg.allgather_bucket_size // self.world)
-        works = []
-        if per >= S:
-            works.append(comm.all_gather_into_tensor(flat, flat[r * S:(r + 1) * S], group=self.group, async_op=True))
-        else:  # allgather_bucket_size: gather the slice in chunks
-            for c0 in range(0, S, per):
-                c1 = min(S, c0 + per)
-                outs = [flat[q * S + c0:q * S + c1] for q in range(self.world)]
-                works.append(comm.all_gather(outs, outs[r], group=self.group, async_op=True))
+        mine = flat[r * S:(r + 1) * S]
+        works = [gather_slices(flat, mine, r, self.world, self.group, True, c0, min(S, c0 + per))
+                 for c0 in range(0, S, per)]
         self.gathers[seg.index] = [w for w in works if w is not None]
 
     def wait_gathers(self, indices: list[int] | None = None) -> None:

@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 from microspeed import comm
+from microspeed_zero.collectives import gather_slices
 from microspeed_zero.partition import Segment
 
 RELEASED, INFLIGHT, AVAILABLE = 0, 1, 2
 
 
 def _gather_into(flat: torch.Tensor, shard: torch.Tensor, group: Any, async_op: bool) -> Any:
-    return comm.all_gather_into_tensor(flat, shard, group=group, async_op=async_op)
+    return gather_slices(flat, shard, comm.get_rank(group), comm.get_world_size(group), group, async_op)
 
 
 class ParameterPartitioner:
