@@ -118,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="run the engine list this many times, round robin; medians pool every repeat's steps")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine, start-up included")
-    p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--json-out", default=None,
+                   help="also write the JSON result to this file (and the raw runs so far to FILE.runs as they end)")
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 30 if args.small else 10
@@ -517,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             r = run_engine(name, args)
             runs[name].append(r)
+            if args.json_out:  # every run so far, so that an interrupted benchmark keeps its data
+                Path(args.json_out + ".runs").write_text(json.dumps(runs) + "\n")
             if "failed" in r:
                 print(f"  {name} FAILED after {r['wall_s']:.0f} s:\n{r['failed']}", flush=True)
             else:

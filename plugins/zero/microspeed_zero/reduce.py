@@ -3,7 +3,8 @@
 * **Stage 1** accumulates whole gradients in one flat buffer per segment (the parameters'
   ``.grad`` are views of it, so autograd accumulates in place) and reduces each segment once,
   at the accumulation boundary, launched from autograd hooks as soon as backward has produced
-  its last gradient (overlapped with the rest of backward).
+  its last gradient (overlapped with the rest of backward); only the rank's slice of the buffer
+  is reduced (the rest keeps local sums).
 * **Stages 2 and 3** reduce every micro-step: when a segment's gradients are all there, they are
   copied into a staging bucket, the parameters' ``.grad`` freed, and the bucket reduced
   asynchronously; the rank's slice of the result is added to its gradient partition. At most
@@ -89,9 +90,8 @@ class GradientReducer:
     def launch(self, seg: Segment) -> None:
         """Start reducing ``seg`` (gradients of parameters that have none count as zeros)."""
         self.launched.add(seg.index)
-        if self.stage != 1:
-            while len(self.pending) >= MAX_IN_FLIGHT:
-                self._finish(*self.pending.popleft())
+        while len(self.pending) >= MAX_IN_FLIGHT:  # bounds the pooled receive/staging buffers
+            self._finish(*self.pending.popleft())
         pooled = None
         if self.stage == 1:
             wire = self.acc[seg.index]
