@@ -142,7 +142,9 @@ def test_entry_point_discovery_and_env_switches(tmp_path, monkeypatch, tiny_mode
         microspeed.initialize(model=tiny_model, config=base_config)
 
 
-def test_builtins_are_plugins_and_answer_defaults():
+def test_builtins_are_plugins_and_answer_defaults(monkeypatch):
+    monkeypatch.setenv("MICROSPEED_DISABLE_PLUGIN_AUTOLOAD", "1")  # built-ins only (zero would answer first)
+    monkeypatch.delenv("MICROSPEED_PLUGINS", raising=False)
     pm = PluginManager()
     pm.load_all()
     assert {"data_parallel", "mixed_precision", "optimizers", "schedulers"} <= set(pm.names())

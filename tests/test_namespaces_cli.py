@@ -18,7 +18,6 @@ import microspeed.cli
 from microspeed.testing import free_port
 
 MISSING = [  # (how DeepSpeed scripts reach it, module to import, name imported from it, distribution)
-    ("zero", "microspeed.zero", "Init", "microspeed-zero"),
     ("pipe", "microspeed.pipe", "PipelineModule", "microspeed-pipeline"),
     ("checkpointing", "microspeed.checkpointing", "checkpoint", "microspeed-pipeline"),
     ("moe", "microspeed.moe.layer", "MoE", "microspeed-moe"),
@@ -164,8 +163,16 @@ def test_cli_plugins_lists_builtins_versions_and_call_order(capsys, monkeypatch)
     assert "optimizer_step" in mp_hooks and "wrap_optimizer" in mp_hooks
 
 
+def test_installed_zero_namespace_resolves_to_the_plugin():
+    import microspeed as deepspeed
+    from microspeed.zero import GatheredParameters, Init
+
+    assert deepspeed.zero.Init is Init and Init.__module__ == "microspeed_zero.init"
+    assert GatheredParameters.__module__ == "microspeed_zero.init"
+
+
 def test_cli_plugins_disable(capsys):
-    assert microspeed.cli.main(["plugins", "--disable", "mixed_precision"]) == 0
+    assert microspeed.cli.main(["plugins", "--disable", "mixed_precision", "--disable", "zero"]) == 0
     out = capsys.readouterr().out
     assert "mixed_precision" not in out
     assert any(ln.split() == ["optimizer_step", "optimizers"] for ln in out.splitlines())
