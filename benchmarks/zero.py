@@ -1,12 +1,13 @@
 """ZeRO stages 1–3: microspeed vs DeepSpeed 0.19.8 vs torch DDP and FSDP2, step time and peak memory.
 
-Usage (2 ranks, gloo, CPU; the default run takes about 9 minutes on 2 idle cores, 13 under other load)::
+Usage (2 ranks, gloo, CPU; the default run takes about 5.5 minutes on 2 idle cores, 13-25 under other load)::
 
     python benchmarks/zero.py                       # every default engine, full-size model
-    python benchmarks/zero.py --small               # quick smoke run on a tiny model (about 2 minutes)
+    python benchmarks/zero.py --small               # quick smoke run on a tiny model (a few minutes)
     python benchmarks/zero.py --engines ddp,microspeed_z2,deepspeed_z2 --steps 20 --warmup 3
     python benchmarks/zero.py --json-out zero.json  # also write every number as JSON
     python benchmarks/zero.py --repeats 3           # the engine list 3 times, round robin (a shared machine)
+    python benchmarks/zero.py --from-runs a.json.runs b.json.runs   # pool saved runs, run nothing
 
 What is measured, and how:
 
@@ -39,7 +40,8 @@ What is measured, and how:
   DDP of each repeat's median is printed too (on a machine shared with other work, load swings between
   engines run minutes apart otherwise decide the ratios).
 * **Memory**: peak RSS is ``VmHWM`` from ``/proc/self/status`` at the end, the maximum over ranks
-  (it includes the interpreter, torch and the framework's imports: DeepSpeed's alone are ~100–200 MiB);
+  (it includes the interpreter, torch, the framework's imports — DeepSpeed's add about 20 MiB — and the
+  model as built, before the engine takes it over);
   ``growth`` is ``VmRSS`` at the end minus ``VmRSS`` right after the model was built (what the engine
   added and kept), ``peak growth`` is ``VmHWM`` at the end minus that same baseline; max over ranks.
   For microspeed, ``microspeed_zero.memory_breakdown(engine)`` (bytes of parameters, gradients and
@@ -48,13 +50,14 @@ What is measured, and how:
   largest relative difference from DDP's over all steps is printed (fp32: all should agree closely).
 
 Ratios printed per engine: median step time and peak RSS over DDP's (``x DDP``), and for microspeed over
-DeepSpeed's at the same stage and bucket size (``x DS``). Rank 0 of the parent prints a table and, last,
+DeepSpeed's at the same stage and bucket size (``x DS``). The parent prints two tables and, last,
 one line ``BENCH_JSON {...}`` with every number. The exit status is 1 if any engine failed.
 
 Entry-point plugins are not auto-loaded (``MICROSPEED_DISABLE_PLUGIN_AUTOLOAD=1``,
 ``MICROSPEED_PLUGINS=zero`` unless set): the core, its built-ins and the ``zero`` plugin are measured.
 DeepSpeed runs with ``DS_ACCELERATOR=cpu``; a stale ``~/.cache/torch_extensions/py311_cpu/*/lock`` left
-by a killed build makes its first import hang: delete it.
+by a killed build makes its first import hang: delete it. (Another Python installation rebuilding the
+same extension in that cache can also hold DeepSpeed's set-up for minutes; that is set-up time, not step time.)
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--repeats", type=int, default=1,
                    help="run the engine list this many times, round robin; medians pool every repeat's steps")
+    p.add_argument("--from-runs", nargs="+", default=[], metavar="FILE",
+                   help="run nothing: report the runs saved in these --json-out FILE.runs files (pooled per engine)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per engine, start-up included")
     p.add_argument("--json-out", default=None,
                    help="also write the JSON result to this file (and the raw runs so far to FILE.runs as they end)")
@@ -430,7 +435,7 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> None:
             r["growth_over_ddp"] = r["peak_growth_mib"] / ddp["peak_growth_mib"]
             r["cpu_over_ddp"] = r["median_cpu_s"] / ddp["median_cpu_s"]
             r["repeat_over_ddp"] = [a / b for a, b in zip(r["repeat_median_step_s"], ddp["repeat_median_step_s"],
-                                                          strict=True)]
+                                                          strict=False)]
             r["loss_max_rel_diff_vs_ddp"] = max(abs(a - b) / max(abs(b), 1e-12)
                                                 for a, b in zip(r["losses"], ddp["losses"], strict=True))
         peer = results.get(ds_peer(name) or "", {})
@@ -499,7 +504,7 @@ def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
                   + (f"; microspeed_zero {','.join(r['zero_sources'])}" if r.get("zero_sources") else "")
                   + (f"; per-repeat medians {[round(t * 1e3) for t in r['repeat_median_step_s']]} ms, x DDP "
                      f"{[round(x, 2) for x in r['repeat_over_ddp']]}" if len(r["repeat_median_step_s"]) > 1
-                     and "repeat_over_ddp" in r else ""))
+                     and r.get("repeat_over_ddp") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,8 +516,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{cfg.seq_len} tokens, {'bf16' if args.bf16 else 'fp32'}, AdamW lr {args.lr}, clip {args.clip}, "
           f"{args.warmup} warm-up + {args.steps} timed steps; torch {torch.__version__}, Python "
           f"{platform.python_version()}, {os.cpu_count()} CPUs, gloo, 1 thread/rank", flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in args.engine_list}
-    for rep in range(args.repeats):  # round robin: slow drifts of a shared machine hit every engine alike
+    runs: dict[str, list[dict[str, Any]]] = {} if args.from_runs else {name: [] for name in args.engine_list}
+    for path in args.from_runs:  # runs saved by earlier (maybe interrupted) invocations
+        for name, saved in json.loads(Path(path).read_text()).items():
+            runs.setdefault(name, []).extend(saved)
+    if args.from_runs:
+        args.engine_list = list(runs)
+    # Round robin over the engines, repeat after repeat: slow drifts of a shared machine hit every engine alike.
+    for rep in range(0 if args.from_runs else args.repeats):
         for name in args.engine_list:
             print(f"  running {name}" + (f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else "") + " ...",
                   flush=True)
