@@ -566,6 +566,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` (every rank calls this); returns ``True``."""
     rank, world = comm.get_rank(), comm.get_world_size()
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
+    engine.hook.microspeed_before_checkpoint_save(engine=engine, save_dir=save_dir, tag=tag)
     tensors: dict[str, torch.Tensor] = {}
 
     module_sd = _module_tensors(engine)

@@ -30,25 +30,56 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 class CommStats:
-    """Bytes and calls per collective name, since the last :meth:`reset`."""
+    """Bytes and calls per collective name, since the last :meth:`reset`.
+
+    ``bytes`` is this rank's payload (the tensor it passes in); ``wire`` the bytes this rank sends
+    over the network with the bandwidth-optimal algorithm for the op (:func:`wire_bytes`): the
+    measure to compare an all-reduce with a compressed all-to-all plus all-gather.
+    """
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
+        self.wire: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
 
-    def record(self, op: str, nbytes: int) -> None:
-        """Count one call of ``op`` moving ``nbytes`` (this rank's payload)."""
+    def record(self, op: str, nbytes: int, wire: int | None = None) -> None:
+        """Count one call of ``op`` with ``nbytes`` of payload and ``wire`` bytes sent (default: ``nbytes``)."""
         self.bytes[op] += nbytes
+        self.wire[op] += nbytes if wire is None else wire
         self.calls[op] += 1
 
     def total_bytes(self) -> int:
-        """All bytes recorded, over every op."""
+        """All payload bytes recorded, over every op."""
         return sum(self.bytes.values())
+
+    def total_wire_bytes(self) -> int:
+        """All bytes sent over the network, over every op."""
+        return sum(self.wire.values())
 
     def reset(self) -> None:
         """Forget everything recorded."""
         self.bytes.clear()
+        self.wire.clear()
         self.calls.clear()
+
+
+def wire_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes one rank of an ``n``-rank group sends for ``op`` with a payload of ``nbytes``.
+
+    The costs of the bandwidth-optimal algorithms (those behind DeepSpeed's and nccl-tests' bus
+    bandwidth): all-reduce ``2 (n-1)/n S`` (reduce-scatter then all-gather), all-gather of an
+    input ``S`` ``(n-1) S``, reduce-scatter and all-to-all of an input ``S`` ``(n-1)/n S``,
+    broadcast ``S``. One rank sends nothing.
+    """
+    if n <= 1:
+        return 0
+    if op in _ALL_REDUCE_OPS:
+        return 2 * (n - 1) * nbytes // n
+    if op in ("all_gather", "all_gather_into_tensor"):
+        return (n - 1) * nbytes
+    if op in _ALL_TO_ALL_OPS or op in ("reduce_scatter", "reduce_scatter_tensor"):
+        return (n - 1) * nbytes // n
+    return nbytes
 
 
 stats = CommStats()
@@ -332,7 +363,7 @@ def all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op
     if get_world_size(group) == 1:
         return None
     nbytes = _nbytes(tensor)
-    stats.record("all_reduce", nbytes)
+    stats.record("all_reduce", nbytes, wire_bytes("all_reduce", nbytes, get_world_size(group)))
     op = dist.ReduceOp.SUM if op is None else op
     if _observers:
         return _observe("all_reduce", nbytes, group, async_op, tensor, dist.all_reduce, tensor, op=op, group=group,
@@ -345,7 +376,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
     if get_world_size(group) == 1:
         return None
     nbytes = _nbytes(tensor)
-    stats.record("broadcast", nbytes)
+    stats.record("broadcast", nbytes, wire_bytes("broadcast", nbytes, get_world_size(group)))
     if _observers:
         return _observe("broadcast", nbytes, group, async_op, tensor, dist.broadcast, tensor, src=src, group=group,
                         async_op=async_op)
@@ -386,7 +417,7 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any
         tensor_list[0].copy_(tensor)
         return None
     nbytes = _nbytes(tensor)
-    stats.record("all_gather", nbytes)
+    stats.record("all_gather", nbytes, wire_bytes("all_gather", nbytes, get_world_size(group)))
     if _observers:
         return _observe("all_gather", nbytes, group, async_op, tensor, dist.all_gather, tensor_list, tensor,
                         group=group, async_op=async_op)
@@ -405,7 +436,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any
         output.copy_(input.reshape(output.shape))
         return None
     nbytes = _nbytes(input)
-    stats.record("all_gather_into_tensor", nbytes)
+    stats.record("all_gather_into_tensor", nbytes, wire_bytes("all_gather_into_tensor", nbytes, get_world_size(group)))
     if _observers:
         return _observe("all_gather_into_tensor", nbytes, group, async_op, input, _all_gather_single,
                         output, input, group=group, async_op=async_op)
@@ -419,7 +450,7 @@ def reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor], op: Any
         output.copy_(input_list[0])
         return None
     nbytes = _nbytes_list(input_list)
-    stats.record("reduce_scatter", nbytes)
+    stats.record("reduce_scatter", nbytes, wire_bytes("reduce_scatter", nbytes, get_world_size(group)))
     op = dist.ReduceOp.SUM if op is None else op
     if _observers:
         return _observe("reduce_scatter", nbytes, group, async_op, output, dist.reduce_scatter, output, input_list,
@@ -434,7 +465,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = N
         output.copy_(input.reshape(output.shape))
         return None
     nbytes = _nbytes(input)
-    stats.record("reduce_scatter_tensor", nbytes)
+    stats.record("reduce_scatter_tensor", nbytes, wire_bytes("reduce_scatter_tensor", nbytes, get_world_size(group)))
     op = dist.ReduceOp.SUM if op is None else op
     if _observers:
         return _observe("reduce_scatter_tensor", nbytes, group, async_op, input, _reduce_scatter_single, output,
@@ -449,7 +480,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
         output_tensor_list[0].copy_(input_tensor_list[0])
         return None
     nbytes = _nbytes_list(input_tensor_list)
-    stats.record("all_to_all", nbytes)
+    stats.record("all_to_all", nbytes, wire_bytes("all_to_all", nbytes, get_world_size(group)))
     if _observers:
         return _observe("all_to_all", nbytes, group, async_op, input_tensor_list[0], dist.all_to_all,
                         output_tensor_list, input_tensor_list, group=group, async_op=async_op)
@@ -463,7 +494,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         output.copy_(input)
         return None
     nbytes = _nbytes(input)
-    stats.record("all_to_all_single", nbytes)
+    stats.record("all_to_all_single", nbytes, wire_bytes("all_to_all_single", nbytes, get_world_size(group)))
     kwargs = {"output_split_sizes": output_split_sizes, "input_split_sizes": input_split_sizes, "group": group,
               "async_op": async_op}
     if _observers:

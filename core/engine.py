@@ -82,7 +82,8 @@ class Engine(torch.nn.Module):
     def claim(self, role: str, plugin: str) -> None:
         """Record that ``plugin`` takes over ``role`` (see :data:`microspeed.hookspecs.ROLES`).
 
-        Plugins claim in ``microspeed_setup``; a default implementation of the role stands down
+        Plugins claim in ``microspeed_setup`` (or later, for part of a run, handing the role back
+        with :meth:`release`); a default implementation of the role stands down
         when :meth:`owner` names another plugin. Two plugins claiming one role is a
         :class:`ConfigError` naming both.
         """
@@ -91,6 +92,16 @@ class Engine(torch.nn.Module):
             raise ConfigError(f"plugins {holder!r} and {plugin!r} both take over {role!r}; disable one of them "
                               f"(\"plugins\": {{\"disable\": [...]}}) or turn off its config section.")
         self._owners[role] = plugin
+
+    def release(self, role: str, plugin: str) -> None:
+        """``plugin`` hands ``role`` back to the built-in default (a no-op if it does not hold it).
+
+        A plugin may take a role over for part of a run only: the 1-bit optimizers reduce
+        gradients themselves after their warm-up and hand reduction back when a checkpoint of
+        the warm-up stage is loaded. Defaults read :meth:`owner` each step, not only at set-up.
+        """
+        if self._owners.get(role) == plugin:
+            del self._owners[role]
 
     def owner(self, role: str) -> str | None:
         """The plugin that claimed ``role``, or ``None`` when the built-in default does it."""

@@ -27,7 +27,8 @@ accumulation boundary; ``engine.step()`` between boundaries only counts the micr
 **Roles.** Some work has a built-in default that must stand down entirely — not only lose a
 ``firstresult`` race — when a plugin takes it over (autograd hooks installed at set-up, master
 weights built in ``wrap_optimizer``). A plugin takes a role with ``engine.claim(role, name)`` in
-:func:`microspeed_setup`; defaults check ``engine.owner(role)``. The roles are :data:`ROLES`.
+:func:`microspeed_setup`, or later for part of a run and hands it back with ``engine.release(role,
+name)``; defaults check ``engine.owner(role)``. The roles are :data:`ROLES`.
 """
 
 from __future__ import annotations
@@ -270,6 +271,15 @@ def microspeed_after_global_step(engine: Engine) -> None:
 
 
 # -------------------------------------------------------------------------------- checkpoint
+
+
+@hookspec
+def microspeed_before_checkpoint_save(engine: Engine, save_dir: str, tag: str) -> None:
+    """Notification: every rank is about to write a checkpoint of ``engine``; nothing was read yet.
+
+    A plugin whose replicas may disagree between steps (0/1 Adam's local steps) brings them
+    together here, so that the checkpoint holds one consistent state.
+    """
 
 
 @hookspec

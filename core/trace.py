@@ -35,7 +35,8 @@ start) and ``wall`` (epoch seconds at its start). The events:
   its work is returned: an op that never completes (a hang) leaves that event without its
   ``collective``, so the files show which rank waits in which collective;
 * ``step``: one per optimizer step, at ``after_global_step``: ``dur_ns`` from the step's first
-  ``before_forward``, ``samples``, ``skipped``;
+  ``before_forward``, ``samples``, ``skipped``, ``comm_bytes`` and ``wire_bytes`` (payload and
+  bytes sent over the network by :mod:`microspeed.comm` collectives since the previous step event);
 * ``watchdog``: what the watchdog found (see :mod:`microspeed.watchdog`).
 
 Times are the host's: on CUDA a collective's duration is its launch (NCCL returns at once) unless
@@ -363,6 +364,7 @@ class Tracer:
         ).bind()  # the bound logger itself, not the lazy proxy that binds again on every call
         self.perf_ns0, self.wall_ns0 = _perf(), time.time_ns()
         self.closed = False
+        self._bytes_seen = (comm.stats.total_bytes(), comm.stats.total_wire_bytes())
         self.emit("trace_start", self.perf_ns0, world_size=self.world_size, pid=os.getpid(),
                   host=socket.gethostname(), perf_ns0=self.perf_ns0, wall_ns0=self.wall_ns0, version=__version__)
 
@@ -421,9 +423,15 @@ class Tracer:
                   group_size=call.group_size, seq=call.seq, dur_ns=call.t_launched - call.t0, hook=hook, plugin=plugin)
 
     def step(self, engine: Any, t0: int, t_end: int) -> None:
-        """Write a ``step`` event (the optimizer step that just ended)."""
+        """Write a ``step`` event (the optimizer step that just ended), with the bytes it moved."""
+        payload, wire = comm.stats.total_bytes(), comm.stats.total_wire_bytes()
+        last_payload, last_wire = self._bytes_seen
+        if payload < last_payload or wire < last_wire:  # the stats were reset meanwhile
+            last_payload = last_wire = 0
+        self._bytes_seen = (payload, wire)
         self.emit("step", t0, dur_ns=t_end - t0, samples=getattr(engine, "global_samples", None),
-                  skipped=getattr(engine, "skipped_steps", None))
+                  skipped=getattr(engine, "skipped_steps", None), comm_bytes=payload - last_payload,
+                  wire_bytes=wire - last_wire)
 
     def flush(self) -> None:
         """Flush the file (events are flushed as written; this is for safety before an exit)."""

@@ -34,6 +34,22 @@ def test_bandwidth_formulas_match_deepspeed():
     assert comm.trim_mean([]) == 0.0
 
 
+def test_wire_bytes_are_the_bandwidth_optimal_costs():
+    # what one rank sends: ring all-reduce 2(n-1)/n S; all-gather (n-1) S_in; all-to-all, reduce-scatter (n-1)/n S
+    assert comm.wire_bytes("all_reduce", 1000, 4) == 1500
+    assert comm.wire_bytes("all_gather_into_tensor", 1000, 4) == 3000
+    assert comm.wire_bytes("all_to_all_single", 1000, 4) == 750
+    assert comm.wire_bytes("reduce_scatter_tensor", 1000, 4) == 750
+    assert comm.wire_bytes("broadcast", 1000, 4) == 1000
+    assert comm.wire_bytes("all_reduce", 1000, 1) == 0
+    stats = comm.CommStats()
+    stats.record("all_reduce", 100, 150)
+    stats.record("all_gather_p2p", 40)  # no wire count given: the payload is what was sent
+    assert stats.total_bytes() == 140 and stats.total_wire_bytes() == 190
+    stats.reset()
+    assert stats.total_wire_bytes() == 0 and not stats.calls
+
+
 def _record(logger, op, nbytes, ms, group_size=2):
     """Feed one finished collective to ``logger`` as :mod:`microspeed.comm` would."""
     call = comm.Collective(op, nbytes, None, False, False)

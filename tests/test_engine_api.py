@@ -352,3 +352,18 @@ def test_optimizer_param_typo_names_the_key(tiny_model):
     cfg = {"train_batch_size": 4, "optimizer": {"type": "AdamW", "params": {"lrr": 0.01}}}
     with pytest.raises(ConfigError, match=r"optimizer\.params\.lrr.*did you mean 'lr'"):
         microspeed.initialize(model=tiny_model, config=cfg)
+
+
+def test_roles_claim_release_and_conflict(tiny_model, base_config):
+    engine, *_ = microspeed.initialize(model=tiny_model, config=base_config)
+    assert engine.owner("gradient_reduction") is None
+    engine.claim("gradient_reduction", "a")
+    engine.claim("gradient_reduction", "a")  # idempotent for the holder
+    with pytest.raises(ConfigError, match="'a' and 'b' both take over 'gradient_reduction'"):
+        engine.claim("gradient_reduction", "b")
+    engine.release("gradient_reduction", "b")  # not the holder: nothing happens
+    assert engine.owner("gradient_reduction") == "a"
+    engine.release("gradient_reduction", "a")  # handed back to the built-in default
+    assert engine.owner("gradient_reduction") is None
+    engine.claim("gradient_reduction", "b")
+    assert engine.owner("gradient_reduction") == "b"

@@ -131,6 +131,9 @@ def test_two_rank_trace_files_hold_hooks_collectives_and_steps(traced_run):
         steps = _events(directory, rank, "step")
         assert [e["step"] for e in steps] == [1, 2, 3] and all(e["dur_ns"] > 0 for e in steps)
         assert [e["samples"] for e in steps] == [8, 16, 24]
+        step_bytes = sum(e["bytes"] for e in reduces[:results[rank]["buckets"]])  # one step's gradient all-reduces
+        assert [e["comm_bytes"] for e in steps[1:]] == [step_bytes] * 2  # step 1 also counts set-up collectives
+        assert [e["wire_bytes"] for e in steps[1:]] == [step_bytes] * 2  # 2 ranks: 2 (n-1)/n S = S
     assert seqs[0] == seqs[1]  # both ranks saw the same collectives in the same order
 
 

@@ -186,7 +186,7 @@ class DataParallelPlugin:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         engine = self.engine
-        if not engine.ctx.reduce or self.reducer is None:
+        if not engine.ctx.reduce or self.reducer is None or engine.owner("gradient_reduction") is not None:
             return
         bucket = self.reducer.bucket_of[id(param)]
         bucket.ready += 1
@@ -196,8 +196,8 @@ class DataParallelPlugin:
     @hookimpl(trylast=True)
     def microspeed_reduce_gradients(self, engine) -> bool:
         """Wait for launched buckets, reduce the rest, write the averages back."""
-        if self.reducer is None:
-            return True
+        if self.reducer is None or engine.owner("gradient_reduction") is not None:
+            return True  # nothing to reduce, or a plugin reduces (and answers this hook) itself
         buffers = engine.hook.microspeed_gradient_buffers(engine=engine)
         if buffers is not None:  # gradients live outside p.grad: reduce those, not overlapped
             self.reducer.build(buffers)
