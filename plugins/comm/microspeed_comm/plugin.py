@@ -1,0 +1,239 @@
+"""The ``comm`` plugin: builds the 1-bit optimizers and hands gradient reduction over and back.
+
+Active when ``optimizer.type`` is ``OneBitAdam``, ``ZeroOneAdam`` or ``OneBitLamb`` (any case, as
+DeepSpeed matches them), or when the client passes one of those optimizers to ``initialize``.
+
+* **Build.** Answers ``make_optimizer`` for those types; the ``optimizer.params`` keys are checked
+  at ``initialize()`` and a bad one is refused naming ``optimizer.params.<key>``.
+* **Hand-over.** After every step it asks the optimizer whether the next step's gradients must be
+  averaged at full precision (:meth:`~microspeed_comm.onebit.OneBitOptimizer.full_precision_gradients_next`).
+  If not, it claims the ``gradient_reduction`` role, so the built-in data-parallel reducer neither
+  launches its all-reduce from the autograd hooks nor reduces at the boundary; the optimizer then
+  exchanges compressed momentum (or gradients) inside its step. If so, it releases the role again
+  (0/1 Adam's variance steps, or a checkpoint of the warm-up being loaded).
+* **Checkpoints.** The optimizer's state (momenta, variances, counters) goes through the core's
+  default optimizer save, keyed by parameter name. The error-feedback buffers differ per rank:
+  they are saved per rank (``plugins/comm/rank<r>/...``) and restored when the checkpoint is loaded
+  by the same rank of the same world size, else they start from zero (DeepSpeed always resets them).
+  Before a save, 0/1 Adam synchronises pending local steps, so the checkpoint holds one model.
+* **ZeRO.** Refused at ``initialize()``: ZeRO partitions the optimizer state that the 1-bit
+  optimizers exchange whole (DeepSpeed refuses the combination too).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import warnings
+from typing import Any
+
+import torch
+
+from microspeed import comm
+from microspeed.errors import ConfigError
+from microspeed.hookspecs import hookimpl
+from microspeed.log import get_logger
+from microspeed_comm.adam import OneBitAdam
+from microspeed_comm.lamb import OneBitLamb
+from microspeed_comm.onebit import OneBitOptimizer
+from microspeed_comm.zero_one_adam import ZeroOneAdam
+
+OPTIMIZERS: dict[str, type[OneBitOptimizer]] = {"OneBitAdam": OneBitAdam, "ZeroOneAdam": ZeroOneAdam,
+                                                "OneBitLamb": OneBitLamb}
+"""``optimizer.type`` names this plugin builds (matched case-insensitively), and their classes."""
+
+_NO_EFFECT = {
+    "bias_correction": (True, "as in DeepSpeed, the 1-bit optimizers apply no bias correction"),
+    "cuda_aware": (True, "it selected CUDA-aware MPI in DeepSpeed; microspeed communicates through "
+                         "torch.distributed on the data-parallel group"),
+}
+
+
+PARAM_DOCS = {
+    "lr": "learning rate",
+    "freeze_step": "warm-up steps at full precision before compression (>= 1)",
+    "var_freeze_step": "last step that may update the variance; local steps after it",
+    "var_update_scaler": "variance updates per interval before the interval doubles",
+    "local_step_scaler": "steps before the local-step interval doubles",
+    "local_step_clipper": "largest local-step interval (steps between synchronisations)",
+    "bias_correction": "accepted; no effect, as in DeepSpeed (warns when true)",
+    "betas": "momentum and variance decay",
+    "eps": "added to the denominator",
+    "eps_inside_sqrt": "use sqrt(v + eps) instead of sqrt(v) + eps",
+    "weight_decay": "decoupled weight decay",
+    "max_grad_norm": "must be 0: use the top-level gradient_clipping",
+    "max_coeff": "upper bound of the LAMB trust ratio",
+    "min_coeff": "lower bound of the LAMB trust ratio",
+    "amsgrad": "must be false (not supported, as in DeepSpeed)",
+    "cuda_aware": "accepted; no effect (CUDA-aware MPI in DeepSpeed; warns when true)",
+    "comm_backend_name": "accepted: nccl, mpi, hccl, compressed, gloo, ccl; torch.distributed is used",
+    "coeff_beta": "decay of the average of the warm-up trust ratios",
+    "factor_max": "upper bound of the compression-stage factor",
+    "factor_min": "lower bound of the compression-stage factor",
+    "factor_threshold": "largest relative change of the factor per step",
+}
+"""What each ``optimizer.params`` key of the 1-bit optimizers means (the README's table)."""
+
+
+def params_table() -> str:
+    """The README's Markdown table: every ``optimizer.params`` key, its default per type, its meaning."""
+    defaults = {}
+    for name, cls in OPTIMIZERS.items():
+        sig = inspect.signature(cls.__init__)
+        defaults[name] = {k: p.default for k, p in sig.parameters.items()
+                          if k not in ("self", "params", "deepspeed") and p.kind is p.POSITIONAL_OR_KEYWORD}
+    keys = list(dict.fromkeys(k for d in defaults.values() for k in d))
+    lines = ["| key | " + " | ".join(OPTIMIZERS) + " | meaning |", "|---" * (len(OPTIMIZERS) + 2) + "|"]
+    for key in keys:
+        cells = [f"`{defaults[n][key]!r}`".replace("'", '"') if key in defaults[n] else "—" for n in OPTIMIZERS]
+        lines.append(f"| `{key}` | " + " | ".join(cells) + f" | {PARAM_DOCS[key]} |")
+    return "\n".join(lines)
+
+
+def optimizer_class(type_name: Any) -> type[OneBitOptimizer] | None:
+    """The class for an ``optimizer.type`` value, or ``None`` if this plugin does not build it."""
+    if not isinstance(type_name, str):
+        return None
+    return {k.lower(): v for k, v in OPTIMIZERS.items()}.get(type_name.lower())
+
+
+def check_params(cls: type[OneBitOptimizer], params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` checked against ``cls``'s signature and bounds; raises :class:`ConfigError` naming the key."""
+    sig = inspect.signature(cls.__init__)
+    accepted = [n for n, p in sig.parameters.items()
+                if n not in ("self", "params", "deepspeed") and p.kind is p.POSITIONAL_OR_KEYWORD]
+    for key in params:
+        if key not in accepted:
+            near = difflib.get_close_matches(key, accepted, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"optimizer.params.{key}: not a parameter of {cls.__name__}{hint}; accepted: "
+                              f"{', '.join(accepted)}")
+    try:
+        cls([torch.nn.Parameter(torch.zeros(1))], **params)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"optimizer.params.{exc}") from None
+    return dict(params)
+
+
+class CommPlugin:
+    """1-bit Adam, 0/1 Adam and 1-bit LAMB wired into the engine (one instance per engine)."""
+
+    def __init__(self) -> None:
+        self.cls: type[OneBitOptimizer] | None = None
+        self.params: dict[str, Any] = {}
+        self.optimizer: OneBitOptimizer | None = None
+        self.engine: Any = None
+        self.compressing = False
+        self.log = None
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    @hookimpl
+    def microspeed_configure(self, config) -> None:
+        """Recognise a 1-bit ``optimizer.type`` and check its params (at ``initialize()``)."""
+        section = config["optimizer"] if config.is_set("optimizer") else {}
+        self.cls = optimizer_class(section.get("type"))
+        if self.cls is None:
+            return
+        params = dict(section.get("params") or {})
+        self.params = check_params(self.cls, params)
+        for key, (value, why) in _NO_EFFECT.items():
+            if params.get(key) == value:
+                warnings.warn(f"optimizer.params.{key}: {value} has no effect in {self.cls.__name__}: {why}",
+                              stacklevel=2)
+
+    @hookimpl
+    def microspeed_conflicts(self, config) -> list[tuple[str, str]] | None:
+        """ZeRO partitions what the 1-bit optimizers exchange whole: refuse stages >= 1."""
+        if self.cls is not None and (config.get("zero_optimization.stage", 0) or 0) >= 1:
+            return [("zero_optimization.stage", f"{self.cls.__name__} averages whole momenta with a compressed "
+                     f"all-reduce, while ZeRO partitions optimizer state across ranks (DeepSpeed refuses this "
+                     f"too); use stage 0 with {self.cls.__name__}, or Adam with ZeRO")]
+        return None
+
+    @hookimpl
+    def microspeed_setup(self, engine) -> None:
+        """Keep the engine (the optimizer comes later)."""
+        self.engine = engine
+        engine.set_plugin_state("comm", self)
+
+    @hookimpl
+    def microspeed_make_optimizer(self, engine, params: list[Any]) -> Any:
+        """Build the 1-bit optimizer the config names, over the data-parallel group."""
+        if self.cls is None:
+            return None
+        return self.cls(params, **self.params, group=engine.topology.data_parallel_group)
+
+    @hookimpl(trylast=True)
+    def microspeed_wrap_optimizer(self, engine, optimizer: Any) -> None:
+        """Adopt the final optimizer if it is a 1-bit one (built here, or passed by the client)."""
+        if not isinstance(optimizer, OneBitOptimizer):
+            return None
+        if engine.owner("optimizer_step") not in (None, "comm") or engine.owner("gradient_reduction") is not None:
+            raise ConfigError(f"{type(optimizer).__name__}: the plugin {engine.owner('optimizer_step')!r} steps the "
+                              f"optimizer or reduces gradients itself (ZeRO?); the 1-bit optimizers need the "
+                              f"whole momentum on every rank: use zero_optimization.stage 0")
+        optimizer.set_process_group(engine.topology.data_parallel_group)
+        self.optimizer = optimizer
+        self.log = get_logger("microspeed.comm")
+        self._sync_role(engine)
+        return None
+
+    # -- the hand-over -------------------------------------------------------------------------
+
+    def _sync_role(self, engine) -> None:
+        """Claim gradient reduction when the next step wants local gradients; release it otherwise."""
+        opt = self.optimizer
+        if opt is None:
+            return
+        compress = not opt.full_precision_gradients_next() and opt.world_size > 1
+        if compress == self.compressing:
+            return
+        if compress:
+            engine.claim("gradient_reduction", "comm")
+        else:
+            engine.release("gradient_reduction", "comm")
+        self.compressing = compress
+        if comm.get_rank() == 0 and self.log is not None:
+            self.log.info("comm: gradients of the next step " + ("stay local (compressed communication)"
+                          if compress else "are averaged at full precision"),
+                          optimizer=type(opt).__name__, step=opt.global_step())
+
+    @hookimpl(tryfirst=True)
+    def microspeed_reduce_gradients(self, engine) -> bool | None:
+        """Nothing to reduce while the optimizer communicates compressed (it does so in its step)."""
+        return True if self.optimizer is not None and engine.owner("gradient_reduction") == "comm" else None
+
+    @hookimpl
+    def microspeed_after_step(self, engine) -> None:
+        """Decide who reduces the next step's gradients."""
+        self._sync_role(engine)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    @hookimpl
+    def microspeed_before_checkpoint_save(self) -> None:
+        """0/1 Adam: synchronise pending local steps, so every rank saves the same parameters."""
+        if self.optimizer is not None:
+            self.optimizer.synchronize()
+
+    @hookimpl
+    def microspeed_checkpoint_state(self) -> dict[str, Any] | None:
+        """This rank's error-feedback buffers, under a rank-unique key."""
+        if self.optimizer is None:
+            return None
+        rank = comm.get_rank()
+        return {"comm": {"world": comm.get_world_size(), f"rank{rank}": self.optimizer.error_state()}}
+
+    @hookimpl
+    def microspeed_load_checkpoint_state(self, engine, states: dict[str, Any]) -> None:
+        """Restore this rank's errors when the topology matches (else zero); re-decide the hand-over."""
+        if self.optimizer is None:
+            return
+        saved = states.get("comm") or {}
+        mine = saved.get(f"rank{comm.get_rank()}")
+        if mine is not None and saved.get("world") == comm.get_world_size():
+            self.optimizer.load_error_state(mine)
+        else:
+            self.optimizer.reset_errors()
+        self._sync_role(engine)
