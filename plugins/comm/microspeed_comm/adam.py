@@ -62,14 +62,15 @@ class OneBitAdam(OneBitOptimizer):
     def _step(self) -> None:
         """Adam in the warm-up; frozen variance and compressed momentum after it."""
         frozen = self.global_step() + 1 > self.freeze_step
-        updates: list[tuple[dict[str, Any], list, list, list]] = []  # (group, params, m, v) to apply
+        updates: list[tuple[dict[str, Any], list, list, list, bool]] = []  # (group, params, m, v, v frozen)
         compressed: list[tuple[dict[str, Any], list]] = []
         for group in self.param_groups:
             b1, b2 = group["betas"]
             params = group["params"]
             for p in params:
                 self._init_state(p)
-            if not frozen or group.get("non_freeze", False):
+            live = not frozen or group.get("non_freeze", False)
+            if live:
                 ps = [p for p in params if p.grad is not None]
                 grads = [p.grad for p in ps]
                 if frozen:  # non_freeze: this group keeps full-precision gradients and a live variance
@@ -88,13 +89,13 @@ class OneBitAdam(OneBitOptimizer):
                 if ps:
                     torch._foreach_lerp_(ms, grads, 1 - b1)
                 compressed.append((group, ms))
-            updates.append((group, ps, ms, vs))
+            updates.append((group, ps, ms, vs, not live))
         if compressed:
             self.compressed_average_("exp_avg", [m for _, ms in compressed for m in ms])
             for group, ms in compressed:
                 self._apply_masks(group, ms)
-        for group, ps, ms, vs in updates:
+        for group, ps, ms, vs, v_frozen in updates:
             if ps:
-                self._adam_update(group, ps, ms, vs)
+                self._adam_update(group, ps, ms, vs, frozen=v_frozen)
             for p in group["params"]:
                 self.state[p]["step"] += 1

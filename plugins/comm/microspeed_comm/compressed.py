@@ -86,6 +86,8 @@ class CompressedAllReduce:
         for off, n in zip(self.offsets, sizes, strict=True):
             self._pad[off:off + n] = False
         self._server_pad = self._pad[self.rank * k * block_size:(self.rank + 1) * k * block_size]
+        self._pad_idx = self._pad.nonzero().view(-1)  # few: zeroing them costs no pass over the buffer
+        self._server_pad_idx = self._server_pad.nonzero().view(-1)
         self._send = torch.empty(self.world, self.chunk_bytes, dtype=torch.uint8, device=device)
         self._recv = torch.empty_like(self._send)
         self._gathered = torch.empty_like(self._send)
@@ -116,17 +118,17 @@ class CompressedAllReduce:
         if self.world == 1:
             return
         x, blk = self._x, self.block
-        x.zero_()  # the padding carries zeros (the last call decoded into it)
+        x.index_fill_(0, self._pad_idx, 0.0)  # the padding carries zeros (the last call decoded into it)
         slots = self._slots(x)
         torch._foreach_copy_(slots, [t.reshape(-1) for t in tensors])
         bits, scales = bitpack.compress(x, self.worker_error, blk)
-        self.worker_error.masked_fill_(self._pad, 0.0)  # no error accumulates where no data is
+        self.worker_error.index_fill_(0, self._pad_idx, 0.0)  # no error accumulates where no data is
         self._pack(self._send, bits, scales)
         before = comm.stats.total_wire_bytes()
         comm.all_to_all_single(self._recv, self._send, group=self.group)
         recv_bits, recv_scales = self._unpack(self._recv)
         s_bits, s_scales = bitpack.server_combine(recv_bits, recv_scales, self.server_error, blk)
-        self.server_error.masked_fill_(self._server_pad, 0.0)
+        self.server_error.index_fill_(0, self._server_pad_idx, 0.0)
         mine = torch.empty(1, self.chunk_bytes, dtype=torch.uint8, device=x.device)
         self._pack(mine, s_bits, s_scales)
         comm.all_gather_into_tensor(self._gathered.view(-1), mine.view(-1), group=self.group)

@@ -90,6 +90,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self.group, self.block_size = group, block_size
         self._compressors: dict[str, CompressedAllReduce] = {}
         self._pending_errors: dict[str, dict[str, Any]] = {}
+        self._frozen_denoms: dict[torch.Tensor, torch.Tensor] = {}
 
     # -- group and phase ---------------------------------------------------------------------
 
@@ -188,13 +189,25 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     # -- helpers for the subclasses ----------------------------------------------------------
 
-    def _adam_update(self, group: dict[str, Any], ps: list, ms: list, vs: list) -> None:
-        """``p -= lr * (m / denominator + weight_decay * p)`` for the params ``ps``."""
-        denom = self._denominators(vs, group["eps"], group["eps_inside_sqrt"])
-        update = torch._foreach_div(ms, denom)
-        if group["weight_decay"] > 0:
-            torch._foreach_add_(update, ps, alpha=group["weight_decay"])
-        torch._foreach_add_(ps, update, alpha=-group["lr"])
+    def _adam_update(self, group: dict[str, Any], ps: list, ms: list, vs: list, frozen: bool = False) -> None:
+        """``p -= lr * (m / denominator + weight_decay * p)`` for the params ``ps``, in fused passes.
+
+        ``frozen``: the variances no longer change, so their denominators are computed once and kept.
+        """
+        denom = self.frozen_denominators(group, ps, vs) if frozen else \
+            self._denominators(vs, group["eps"], group["eps_inside_sqrt"])
+        if group["weight_decay"] > 0:  # p - lr*wd*p - lr*m/denom, as DeepSpeed's update += wd * p
+            torch._foreach_mul_(ps, 1.0 - group["lr"] * group["weight_decay"])
+        torch._foreach_addcdiv_(ps, ms, denom, value=-group["lr"])
+
+    def frozen_denominators(self, group: dict[str, Any], ps: list, vs: list) -> list[torch.Tensor]:
+        """``sqrt(v) + eps`` of frozen variances, computed on first use and kept (one buffer per parameter)."""
+        cache = self._frozen_denoms
+        missing = [(p, v) for p, v in zip(ps, vs, strict=True) if p not in cache]
+        if missing:
+            fresh = self._denominators([v for _, v in missing], group["eps"], group["eps_inside_sqrt"])
+            cache.update({p: d for (p, _), d in zip(missing, fresh, strict=True)})
+        return [cache[p] for p in ps]
 
     def _check_dtypes(self) -> None:
         for group in self.param_groups:
@@ -246,6 +259,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """
         masks = [g.get("exp_avg_mask") for g in self.param_groups]
         super().load_state_dict(state_dict)
+        self._frozen_denoms = {}
         for g, mask in zip(self.param_groups, masks, strict=True):
             if mask is not None:
                 g["exp_avg_mask"] = mask

@@ -142,7 +142,7 @@ class ZeroOneAdam(OneBitOptimizer):
                 self._compressors.pop("grad", None)  # the variance phase's errors are of no further use
             for i, (group, ps, grads, ms, vs) in enumerate(groups):
                 torch._foreach_lerp_(ms, grads, 1 - group["betas"][0])
-                self._adam_update(group, ps, ms, vs)
+                self._adam_update(group, ps, ms, vs, frozen=True)
                 sched["lrs"][i] += group["lr"]
             if t % sched["local_step_interval"] == 0:
                 self._synchronize(groups, sched)
@@ -162,7 +162,7 @@ class ZeroOneAdam(OneBitOptimizer):
         for (group, ps, _, ms, vs), delta, lrs in zip(groups, deltas, sched["lrs"], strict=True):
             self._apply_masks(group, delta)
             if lrs > 0:  # m = -avg * (sqrt(v) + eps) / sum(lr): the momentum that made the averaged update
-                denom = self._denominators(vs, group["eps"], group["eps_inside_sqrt"])
+                denom = self.frozen_denominators(group, ps, vs)
                 torch._foreach_copy_(ms, torch._foreach_div(torch._foreach_mul(delta, denom), -lrs))
             anchors = [self._anchor[p] for p in ps]
             torch._foreach_add_(anchors, delta)
