@@ -277,6 +277,13 @@ def test_dispatcher_runs_the_reference_on_cpu() -> None:
     assert torch.equal(bits, bits_ref) and torch.equal(scales, scales_ref) and torch.equal(error, error_ref)
 
 
+def _expect_ok(script: str) -> None:
+    """Run ``script`` in a fresh interpreter (its own import state); it must print ``ok``."""
+    done = subprocess.run([sys.executable, "-c", script], env=_child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
 def _child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", bitpack.KERNELS_ENV)}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
@@ -301,9 +308,7 @@ def test_bitpack_imports_and_runs_without_triton() -> None:
             raise AssertionError("forcing the kernels without Triton should fail")
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", script], env=_child_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    _expect_ok(script)
 
 
 # -- Triton kernels vs the reference (interpreted, in a child process) -----------------------------------------------
@@ -414,9 +419,7 @@ def test_triton_kernels_refuse_cpu_tensors_without_the_interpreter() -> None:
             raise AssertionError("CPU tensors should be refused")
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", script], env=_child_env(), capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    _expect_ok(script)
 
 
 def _run_triton_cases(inputs: str, outputs: str) -> None:
