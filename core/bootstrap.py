@@ -61,7 +61,7 @@ def initialize(
     _check_ranks_agree(pm, cfg, error)
 
     world_size = comm.get_world_size()
-    topology = pm.hook.microspeed_make_topology(config=cfg, world_size=world_size, mpu=mpu)
+    topology = pm.hook.microspeed_make_topology(config=cfg, world_size=world_size, mpu=mpu, model=model)
     resolve_batch_triad(cfg, topology.data_parallel_size)
     pm.hook.microspeed_configure(config=cfg, world_size=world_size)
     _check_conflicts(pm, cfg)

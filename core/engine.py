@@ -68,6 +68,7 @@ class Engine(torch.nn.Module):
         self._last_outcome = StepOutcome(applied=False)
         self._inside_no_sync = False
         self._params: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None
+        self._data_iterator: Any = None
 
     # -- plugin state --------------------------------------------------------------------
 
@@ -201,6 +202,47 @@ class Engine(torch.nn.Module):
                 self.global_samples += self.train_batch_size()
                 self.hook.microspeed_after_global_step(engine=self)
         self.micro_steps += 1
+
+    def train_batch(self, data_iter: Any = None) -> torch.Tensor:
+        """Train on one whole batch: ``gradient_accumulation_steps`` micro-batches, then the step.
+
+        ``data_iter`` yields micro-batches; ``None`` uses :meth:`set_dataiterator`'s iterator or the
+        engine's training data loader (repeating). Returns the mean loss, as DeepSpeed's pipeline
+        engine does. Who runs the batch is the hook ``microspeed_train_batch``.
+        """
+        with self._phase("train_batch"):
+            return self.hook.microspeed_train_batch(engine=self, data_iter=self._data_iter(data_iter))
+
+    def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", bcast_loss: bool = True,
+                   num_micro_batches: int | None = None) -> Any:
+        """Evaluate one batch (``num_micro_batches`` or ``gradient_accumulation_steps`` micro-batches).
+
+        Returns the loss (mean over micro-batches with ``reduce_output="avg"``), or ``(loss,
+        outputs)`` with ``return_logits``. No gradients, no optimizer step.
+        """
+        with self._phase("eval_batch"):
+            return self.hook.microspeed_eval_batch(engine=self, data_iter=self._data_iter(data_iter),
+                                                   return_logits=return_logits, compute_loss=compute_loss,
+                                                   reduce_output=reduce_output, bcast_loss=bcast_loss,
+                                                   num_micro_batches=num_micro_batches)
+
+    def set_dataiterator(self, iterator: Any) -> None:
+        """The iterator :meth:`train_batch` draws from when called without one."""
+        self._data_iterator = iterator
+
+    def _data_iter(self, data_iter: Any) -> Any:
+        if data_iter is not None:
+            return data_iter if hasattr(data_iter, "__next__") else iter(data_iter)
+        if self._data_iterator is None:
+            if self.training_dataloader is None:
+                raise ValueError("train_batch()/eval_batch(): no data_iter given and the engine has no training "
+                                 "data; pass data_iter=..., call engine.set_dataiterator(...), or "
+                                 "initialize(training_data=...).")
+            from microspeed.builtin.dataloader import RepeatingLoader
+
+            self._data_iterator = iter(RepeatingLoader(self.training_dataloader))
+        return self._data_iterator
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's and the optimizer's gradients."""

@@ -104,12 +104,13 @@ def microspeed_conflicts(config: Config) -> list[tuple[str, str]] | None:
 
 
 @hookspec(firstresult=True)
-def microspeed_make_topology(config: Config, world_size: int, mpu: Any) -> Topology | None:
+def microspeed_make_topology(config: Config, world_size: int, mpu: Any, model: torch.nn.Module) -> Topology | None:
     """Build the process topology (which ranks form the data-parallel group, and so on).
 
     Who does it. ``mpu`` is what the user passed as ``initialize(mpu=...)`` (Megatron-style
-    object) or ``None``. Default (built-in ``data_parallel``): every rank is one data-parallel
-    replica, or the groups ``mpu`` names.
+    object) or ``None``; ``model`` is the user's model, untouched (a model that was built for a
+    process grid, such as a pipeline module, carries its grid). Default (built-in
+    ``data_parallel``): every rank is one data-parallel replica, or the groups ``mpu`` names.
     The data-parallel world size it reports is the one the batch triad is resolved against.
     """
 
@@ -227,6 +228,31 @@ def microspeed_reduce_gradients(engine: Engine) -> bool | None:
     Fires at the boundary, right after the last micro-step's backward. Return ``True`` when
     done. Default: the built-in bucketed all-reduce (which may already have launched buckets
     from autograd hooks during backward and now waits for them).
+    """
+
+
+# ------------------------------------------------------------------------------- whole batch
+
+
+@hookspec(firstresult=True)
+def microspeed_train_batch(engine: Engine, data_iter: Any) -> torch.Tensor | None:
+    """Who runs one training batch: ``gradient_accumulation_steps`` micro-batches and the step.
+
+    Called by ``engine.train_batch(data_iter)``; returns the mean loss over the micro-batches (a
+    detached 0-d tensor). Default (built-in ``batch_loop``): for each micro-batch
+    ``next(data_iter)``, forward, ``engine.backward``, ``engine.step()`` — so every micro-step
+    hook fires as in a hand-written loop. A pipeline plugin answers with its schedule.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_eval_batch(engine: Engine, data_iter: Any, return_logits: bool, compute_loss: bool,
+                          reduce_output: str | None, bcast_loss: bool, num_micro_batches: int | None) -> Any:
+    """Who evaluates one batch without gradients; called by ``engine.eval_batch(...)``.
+
+    Returns the loss reduced over the micro-batches as ``reduce_output`` says (``"avg"`` or
+    ``None`` for the list), or ``(loss, logits)`` with ``return_logits``. Default: the built-in
+    ``batch_loop``'s micro-batch loop under ``torch.no_grad()``.
     """
 
 

@@ -36,6 +36,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "data_parallel": "microspeed.builtin.data_parallel:DataParallelPlugin",
     "gradient_accumulation": "microspeed.builtin.gradient_accumulation:GradientAccumulationPlugin",
     "gradient_clipping": "microspeed.builtin.gradient_clipping:GradientClippingPlugin",
+    "batch_loop": "microspeed.builtin.batch_loop:BatchLoopPlugin",
     "optimizers": "microspeed.builtin.optimizer_plugin:OptimizerPlugin",
     "schedulers": "microspeed.builtin.scheduler_plugin:SchedulerPlugin",
     "mixed_precision": "microspeed.builtin.mixed_precision:MixedPrecisionPlugin",
