@@ -59,7 +59,8 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ from microspeed.checkpoint_manifest import TensorRef, join, pack, split, tensor_
 __all__ = [
     "LATEST",
     "MANIFEST",
+    "Placement",
     "CheckpointError",
     "CheckpointWarning",
     "Reader",
@@ -232,11 +234,20 @@ class Reader:
     each rank reading only its pieces). Plugins get one in ``microspeed_load_optimizer_state``.
     """
 
-    def __init__(self, tag_dir: str, metadata: Metadata, manifest: dict[str, Any] | None = None) -> None:
+    def __init__(self, tag_dir: str, metadata: Metadata, manifest: dict[str, Any] | None = None,
+                 placements: dict[str, Placement] | None = None, rank: int = 0) -> None:
         self.tag_dir, self.metadata, self.manifest = tag_dir, metadata, manifest or {}
+        self.placements, self.rank = placements or {}, rank
         self.targets: dict[str, list[torch.Tensor]] = {}
         self.sharded: list[tuple[str, torch.Tensor]] = []
         self.mismatches: list[str] = []
+
+    def _placed(self, key: str, shape: tuple[int, ...]) -> Placement | None:
+        """The placement when ``key`` is a piece of shape ``shape`` of a tensor saved whole (any split)."""
+        where = placement_of(key, self.placements)
+        if where is not None and tuple(shape) == where.local and tuple(self.meta(key).size) == where.shape:
+            return where
+        return None
 
     def has(self, key: str) -> bool:
         """Whether the checkpoint holds the tensor ``key``."""
@@ -247,7 +258,11 @@ class Reader:
         return self.metadata.state_dict_metadata[key]  # type: ignore[return-value]
 
     def into(self, key: str, target: torch.Tensor, name: str) -> None:
-        """Read ``key`` into ``target`` (cast to its dtype); shapes must agree."""
+        """Read ``key`` into ``target`` (cast to its dtype); shapes must agree, or ``target`` be its placed piece."""
+        where = self._placed(key, tuple(target.shape))
+        if where is not None:
+            self.sharded.append((key, box_shard(target, where.shape, where.pieces, self.rank)))
+            return
         saved = tuple(self.meta(key).size)
         if saved != tuple(target.shape):
             self.mismatches.append(f"{name}: checkpoint {list(saved)} vs {list(target.shape)}")
@@ -258,7 +273,13 @@ class Reader:
         self.targets.setdefault(key, []).append(target)
 
     def fresh(self, key: str) -> torch.Tensor:
-        """A new CPU tensor that will hold ``key`` as saved (dtype and shape)."""
+        """A new CPU tensor that will hold ``key`` as saved (dtype and shape; this rank's piece when placed)."""
+        meta = self.meta(key)
+        where = placement_of(key, self.placements)
+        if where is not None and tuple(meta.size) == where.shape:
+            local = torch.empty(where.local, dtype=meta.properties.dtype)
+            self.sharded.append((key, box_shard(local, where.shape, where.pieces, self.rank)))
+            return local
         tensor = self._empty(key)
         self.targets.setdefault(key, []).insert(0, tensor)
         return tensor
@@ -378,6 +399,78 @@ def flat_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int], ranges_b
                              memory_format=torch.contiguous_format, pin_memory=False)
     meta = ShardedTensorMetadata(metas, torch.Size(shape), props)
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank's piece of a parameter sits in the full tensor (see ``microspeed_checkpoint_placements``).
+
+    ``shape``: the full tensor's; ``offsets``/``local``: this rank's box; ``pieces``: ``(global rank,
+    offsets, sizes)`` of one complete copy that includes this rank's piece (its replica's ranks);
+    ``write``: whether this rank's replica writes the tensor (exactly one replica should).
+    """
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local: tuple[int, ...]
+    pieces: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+    write: bool = True
+
+
+def box_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int],
+              pieces: Sequence[tuple[int, Sequence[int], Sequence[int]]], rank: int) -> Any:
+    """A sharded tensor of global ``shape`` made of boxes ``(global rank, offsets, sizes)``; ``local`` is ``rank``'s.
+
+    Like :func:`flat_shard`, but each piece is a rectangular box (a tensor-parallel split along any
+    dimension). Saving reads ``local``; loading writes it in place.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    metas, shards = [], []
+    for q, offsets, sizes in pieces:
+        meta = ShardMetadata(list(offsets), list(sizes), f"rank:{q}/{local.device}")
+        metas.append(meta)
+        if q == rank:
+            shards.append(Shard(local.view(list(sizes)), meta))
+    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, ShardedTensorMetadata(metas, torch.Size(list(shape)), props))
+
+
+def placement_of(key: str, placements: dict[str, Placement]) -> Placement | None:
+    """The placement of the parameter a checkpoint key belongs to (``model/``, ``master/``, ``optim/<fqn>/``)."""
+    if not placements:
+        return None
+    head, _, rest = key.partition("/")
+    if head in ("model", "master"):
+        return placements.get(rest)
+    if head == "optim":
+        return placements.get(rest.rpartition("/")[0])
+    return None
+
+
+def apply_placements(tensors: dict[str, Any], placements: dict[str, Placement], rank: int) -> None:
+    """Replace each placed piece in ``tensors`` by its sharded view; drop it where another replica writes it."""
+    for key in list(tensors):
+        where = placement_of(key, placements)
+        t = tensors[key]
+        if where is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != where.local:
+            continue
+        if where.write:
+            tensors[key] = box_shard(t.contiguous(), where.shape, where.pieces, rank)
+        else:
+            del tensors[key]
+
+
+def collect_placements(engine: Any) -> dict[str, Placement]:
+    """Every plugin's ``microspeed_checkpoint_placements`` answer, merged."""
+    out: dict[str, Placement] = {}
+    for part in engine.hook.microspeed_checkpoint_placements(engine=engine):
+        out.update(part or {})
+    return out
 
 
 def _short(exc: BaseException, limit: int = 800) -> str:
@@ -592,8 +685,10 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     client_part = split(dict(client_state or {}), "client", tensors if rank == 0 else {})
 
     digest = hashlib.sha256(pack(plugins_part)).hexdigest()
+    model_part = {"keys": list(module_sd), "aliases": aliases, "extra": extra}
+    spread = hashlib.sha256(pack([model_part, optimizer_part])).hexdigest()
     everyone = comm.all_gather_object({"tag": tag, "nonce": secrets.token_hex(6), "rng": _rng_state(),
-                                       "plugins": digest})
+                                       "plugins": digest, "spread": spread})
     tags = sorted({e["tag"] for e in everyone})
     if len(tags) > 1:
         raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
@@ -601,6 +696,11 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     by_rank = None
     if len({e["plugins"] for e in everyone}) > 1:
         by_rank = comm.all_gather_object(plugins_part)
+    if len({e["spread"] for e in everyone}) > 1:  # ranks hold different parameters (pipeline stages)
+        parts = comm.all_gather_object([model_part, optimizer_part])
+        model_part = merge_model_parts([p[0] for p in parts])
+        optimizer_part = merge_optimizer_parts([p[1] for p in parts])
+    apply_placements(tensors, collect_placements(engine), rank)
     tmp = os.path.join(save_dir, f"{tag}{_TMP}{everyone[0]['nonce']}")
     os.makedirs(tmp, exist_ok=True)
     try:
@@ -616,7 +716,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
             "topology": {"data_parallel_size": engine.topology.data_parallel_size,
                          "model_parallel_size": engine.topology.model_parallel_size},
             "plugins": [[i.name, i.version] for i in engine.plugins.infos.values()],
-            "model": {"keys": list(module_sd), "aliases": aliases, "extra": extra},
+            "model": model_part,
             "optimizer": optimizer_part, "lr_scheduler": scheduler_part, "plugin_states": plugins_part,
             "plugin_states_by_rank": by_rank, "client_state": client_part, "rng": [e["rng"] for e in everyone],
         })
@@ -626,6 +726,54 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         _publish(save_dir, tag, tmp, save_latest)
     comm.barrier()
     return True
+
+
+def _ordered_union(lists: list[list[Any]]) -> list[Any]:
+    seen, out = set(), []
+    for items in lists:
+        for x in items:
+            if x not in seen:
+                seen.add(x)
+                out.append(x)
+    return out
+
+
+def merge_model_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One manifest ``model`` entry from every rank's, when ranks hold different parameters.
+
+    A pipeline stage holds only its own layers, so each rank names a different subset of the
+    module's keys; the checkpoint names their union (in rank order), which is what any other
+    partition of the same model asks for.
+    """
+    merged: dict[str, Any] = {"keys": _ordered_union([p["keys"] for p in parts]), "aliases": {}, "extra": {}}
+    for p in parts:
+        merged["aliases"].update(p.get("aliases", {}))
+        merged["extra"].update(p.get("extra", {}))
+    return merged
+
+
+def merge_optimizer_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One manifest ``optimizer`` entry from every rank's (see :func:`merge_model_parts`).
+
+    Param groups are matched by index; each group's parameter names, the per-parameter state and the
+    master list are united. Ranks must agree on the optimizer class and the number of groups.
+    """
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    first = present[0]
+    if any(p.get("class") != first.get("class") or len(p["param_groups"]) != len(first["param_groups"])
+           for p in present):
+        raise CheckpointError("save_checkpoint: the ranks' optimizers differ in class or number of param groups; "
+                              "build the same optimizer on every rank.")
+    groups = []
+    for g, group in enumerate(first["param_groups"]):
+        groups.append({**group, "params": _ordered_union([p["param_groups"][g]["params"] for p in present])})
+    state: dict[str, Any] = {}
+    for p in present:
+        state.update(p["state"])
+    return {**first, "param_groups": groups, "state": state,
+            "masters": _ordered_union([p.get("masters", []) for p in present])}
 
 
 def _module_tensors(engine: Any) -> dict[str, Any]:
@@ -676,8 +824,8 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
             return None, {}
     tag_dir = os.path.join(load_dir, str(tag))
     manifest = read_manifest(tag_dir)
-    reader = Reader(tag_dir, read_tensor_index(tag_dir), manifest)
     rank = comm.get_rank()
+    reader = Reader(tag_dir, read_tensor_index(tag_dir), manifest, collect_placements(engine), rank)
     after: list[Callable[[], None]] = []
 
     _load_module(engine, manifest, reader, tag_dir, load_module_strict, after)
@@ -723,8 +871,9 @@ def _load_module(engine: Any, manifest: dict, reader: Reader, tag_dir: str, stri
     saved_aliases: dict[str, str] = model.get("aliases", {})
     saved = set(model["keys"])
     current = _module_tensors(engine)
+    everywhere = set(_ordered_union(comm.all_gather_object(list(current))))  # every rank's names
     missing = [k for k in current if k not in saved]
-    unexpected = [k for k in model["keys"] if k not in current]
+    unexpected = [k for k in model["keys"] if k not in everywhere]
     if missing or unexpected:
         msg = (f"load_checkpoint: {tag_dir}: the module's state names differ from the checkpoint's. "
                f"Missing in the checkpoint ({len(missing)}): {missing}. Unexpected, only in the checkpoint "
@@ -772,11 +921,13 @@ def load_optimizer_state(engine: Any, saved: dict | None, reader: Reader, load_s
                               f"param groups, the checkpoint {len(saved['param_groups'])}. Build the optimizer "
                               f"with the same groups, or pass load_optimizer_states=False.", tag_dir)
     problems = []
-    for g, (cur, old) in enumerate(zip(current["param_groups"], saved["param_groups"], strict=True)):
-        mine = [fqns[i] for i in cur["params"]]
-        if set(mine) != set(old["params"]):
-            problems.append(f"group {g}: missing in the checkpoint {sorted(set(mine) - set(old['params']))}, "
-                            f"unexpected {sorted(set(old['params']) - set(mine))}")
+    mine_by_group = [[fqns[i] for i in cur["params"]] for cur in current["param_groups"]]
+    everyone = comm.all_gather_object(mine_by_group)  # a pipeline stage holds only its own parameters
+    for g, (mine, old) in enumerate(zip(mine_by_group, saved["param_groups"], strict=True)):
+        everywhere = set(_ordered_union([theirs[g] for theirs in everyone]))
+        missing, unexpected = set(mine) - set(old["params"]), set(old["params"]) - everywhere
+        if missing or unexpected:
+            problems.append(f"group {g}: missing in the checkpoint {sorted(missing)}, unexpected {sorted(unexpected)}")
     if problems:
         msg = f"load_checkpoint: {tag_dir}: optimizer parameters differ from the checkpoint's: " + "; ".join(problems)
         if strict:

@@ -339,6 +339,18 @@ def microspeed_checkpoint_module_tensors(engine: Engine) -> dict[str, Any] | Non
     """
 
 
+@hookspec
+def microspeed_checkpoint_placements(engine: Engine) -> dict[str, Any] | None:
+    """Collected: ``{fqn: Placement}`` for parameters this rank holds only a piece of.
+
+    A tensor-parallel shard is a box of its full tensor. Given its
+    :class:`microspeed.checkpoint.Placement`, every checkpoint tensor keyed by that name with the
+    piece's shape (``model/<fqn>``, ``master/<fqn>``, ``optim/<fqn>/<state>``) is written as a piece
+    of the full tensor and read back as the piece the loading rank holds — so the checkpoint loads
+    under another split, or none.
+    """
+
+
 @hookspec(firstresult=True)
 def microspeed_save_optimizer_state(engine: Engine, tensors: dict[str, Any]) -> dict[str, Any] | None:
     """Who writes the optimizer into a checkpoint.

@@ -18,8 +18,6 @@ import microspeed.cli
 from microspeed.testing import free_port
 
 MISSING = [  # (how DeepSpeed scripts reach it, module to import, name imported from it, distribution)
-    ("pipe", "microspeed.pipe", "PipelineModule", "microspeed-pipeline"),
-    ("checkpointing", "microspeed.checkpointing", "checkpoint", "microspeed-pipeline"),
     ("moe", "microspeed.moe.layer", "MoE", "microspeed-moe"),
     ("ops.sparse_attention", "microspeed.ops.sparse_attention", "SparseSelfAttention", "microspeed-sparse-attn"),
 ]

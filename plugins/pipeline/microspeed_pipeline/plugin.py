@@ -1,0 +1,210 @@
+"""The ``pipeline`` plugin: 3D topologies, pipeline schedules and tensor-parallel bookkeeping.
+
+Active when the model is a :class:`~microspeed_pipeline.module.PipelineModule` (it carries its
+process grid) or when ``initialize(mpu=...)`` receives a :class:`~microspeed_pipeline.topology.ParallelGrid`
+(tensor parallelism without a pipeline). Then, through the core's hooks:
+
+* ``make_topology``: the data-parallel group is the grid's *data* axis (same stage, same tensor
+  shard), so the built-in reducer — or ZeRO stage 1 — works on it unchanged; the model-parallel
+  group is one replica's *slice* (every stage and tensor shard), over which norms are summed;
+* ``train_batch`` / ``eval_batch``: the pipeline schedule (:mod:`microspeed_pipeline.runtime`);
+  ``engine(x)`` is refused with more than one stage, as DeepSpeed's pipeline engine does;
+* ``clip_gradients``: the global norm counts each gradient once — tied copies on later stages
+  and tensor-parallel replicas (biases, norms) on tensor rank > 0 are left out of the sum;
+* ``checkpoint_module_tensors``: tensor-parallel shards are presented as pieces of their full
+  tensors, so checkpoints load under another tensor-parallel size.
+
+ZeRO stage 2 and 3 are refused with a pipeline of more than one stage: they reduce gradients from
+autograd hooks during backward, which the schedule interleaves across micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from microspeed import comm
+from microspeed.config import Field, Section
+from microspeed.errors import ConfigError
+from microspeed.hookspecs import hookimpl
+from microspeed.topology import Topology
+from microspeed_pipeline.module import PipelineModule
+from microspeed_pipeline.topology import ParallelGrid, get_default_grid
+
+SCHEDULES = (None, "1f1b", "interleaved", "gpipe")
+"""Values of ``pipeline.schedule``: ``null`` (the default) is ``interleaved`` for a module with ``num_chunks > 1``,
+else ``1f1b``."""
+
+
+class PipelinePlugin:
+    """Pipeline, tensor and data parallelism through the core's hooks (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.grid: ParallelGrid | None = None
+        self.module: PipelineModule | None = None
+        self.config: Any = None
+        self.runtime: Any = None
+
+    @hookimpl
+    def microspeed_config_sections(self) -> dict:
+        """The ``pipeline`` section."""
+        return {"pipeline": Section({
+            "schedule": Field((str, type(None)), None, "pipeline schedule: 1f1b, interleaved (num_chunks > 1) or "
+                              "gpipe (all forwards, then all backwards); null: interleaved when num_chunks > 1, "
+                              "else 1f1b", choices=SCHEDULES),
+        }, doc="microspeed-pipeline: the schedule of a PipelineModule")}
+
+    @hookimpl
+    def microspeed_make_topology(self, world_size: int, mpu: Any, model: torch.nn.Module) -> Topology | None:
+        """The grid's topology, when the model is a PipelineModule or ``mpu`` is a ParallelGrid."""
+        if isinstance(model, PipelineModule):
+            self.module, self.grid = model, model.mpu()
+            if mpu is not None and mpu is not self.grid:
+                raise ConfigError("initialize(mpu=...): a PipelineModule carries its own process grid; do not pass "
+                                  "another mpu.")
+        elif isinstance(mpu, ParallelGrid):
+            self.grid = mpu
+        else:
+            return None
+        g = self.grid
+        return Topology(world_size=world_size, rank=g.get_global_rank(),
+                        data_parallel_size=g.get_data_parallel_world_size(),
+                        data_parallel_rank=g.get_data_parallel_rank(),
+                        data_parallel_group=g.get_data_parallel_group(),
+                        model_parallel_size=g.get_slice_parallel_world_size(),
+                        model_parallel_rank=g.get_slice_parallel_rank(),
+                        model_parallel_group=g.get_slice_parallel_group())
+
+    @hookimpl
+    def microspeed_configure(self, config: Any) -> None:
+        """Refuse what does not combine with a pipeline of several stages."""
+        self.config = config
+        if self.module is None:
+            if config.is_set("pipeline"):
+                raise ConfigError("pipeline: the section needs the model to be a microspeed.pipe.PipelineModule; "
+                                  "build the model as PipelineModule(layers=..., num_stages=...) or remove the "
+                                  "section.")
+            return
+        stage = config.get("zero_optimization.stage", 0) or 0
+        if self.module.num_stages > 1 and stage >= 2:
+            raise ConfigError(f"zero_optimization.stage={stage}: a pipeline of {self.module.num_stages} stages "
+                              f"combines with ZeRO stage 0 or 1 only (stages 2 and 3 reduce gradients during "
+                              f"backward, which the pipeline schedule interleaves across micro-batches); set "
+                              f"zero_optimization.stage to 1.")
+        if self.module.num_chunks > 1 and config["pipeline"]["schedule"] not in (None, "interleaved"):
+            raise ConfigError(f"pipeline.schedule={config['pipeline']['schedule']!r}: the PipelineModule has "
+                              f"num_chunks={self.module.num_chunks}, which only the 'interleaved' schedule runs.")
+
+    @hookimpl
+    def microspeed_after_model_ready(self, engine: Any, model: torch.nn.Module) -> None:
+        """Attach the runtime (a PipelineModule may have been wrapped; find it again)."""
+        if self.module is None:
+            return
+        from microspeed_pipeline.runtime import PipelineRuntime
+
+        self.runtime = PipelineRuntime(engine, self.module, self.config["pipeline"]["schedule"])
+        engine.set_plugin_state("pipeline", self.runtime)
+
+    @hookimpl
+    def microspeed_before_forward(self, engine: Any) -> None:
+        """Refuse ``engine(x)`` with several stages: only the schedule knows what each stage runs."""
+        if self.module is not None and self.module.num_stages > 1 and self.runtime is not None and \
+                not getattr(self.runtime, "running", False):
+            raise RuntimeError(f"engine(...): this model is a pipeline of {self.module.num_stages} stages; train "
+                               f"with engine.train_batch(data_iter) and evaluate with engine.eval_batch(data_iter).")
+
+    @hookimpl
+    def microspeed_train_batch(self, engine: Any, data_iter: Any) -> torch.Tensor | None:
+        """Run the pipeline schedule."""
+        if self.runtime is None:
+            return None
+        return self.runtime.train_batch(data_iter)
+
+    @hookimpl
+    def microspeed_eval_batch(self, engine: Any, data_iter: Any, return_logits: bool, compute_loss: bool,
+                              reduce_output: str | None, bcast_loss: bool, num_micro_batches: int | None) -> Any:
+        """Run the inference schedule."""
+        if self.runtime is None:
+            return None
+        return self.runtime.eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss,
+                                       num_micro_batches)
+
+    # -- gradient norm -------------------------------------------------------------------
+
+    def _duplicate_names(self, engine: Any) -> set[str]:
+        from microspeed_pipeline.tensor_parallel import is_tensor_parallel_duplicate
+
+        names = set(self.module.tied_duplicate_names()) if self.module is not None else set()
+        group = self.grid.get_model_parallel_group()
+        for name, p in engine.module.named_parameters():
+            if is_tensor_parallel_duplicate(p, group=group):
+                names.add(name)
+        return names
+
+    @hookimpl
+    def microspeed_clip_gradients(self, engine: Any, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """The global norm over the slice group, each gradient counted once; clip as configured."""
+        if self.grid is None:
+            return None
+        from microspeed.builtin.gradient_clipping import clip_
+
+        duplicates = self._duplicate_names(engine)
+        names: dict[int, str] = {id(p): n for n, p in engine.module.named_parameters()}
+        for extra in engine.hook.microspeed_optimizer_param_names(engine=engine):
+            names.update(extra or {})
+        skip = set()
+        if engine.optimizer is not None:
+            for group in engine.optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and names.get(id(p)) in duplicates:
+                        skip.add(id(p.grad))
+        grads = [g for g in grads if g is not None]
+        counted = [g for g in grads if id(g) not in skip]
+        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+        if counted:
+            sq = torch.stack([n.float() for n in torch._foreach_norm(counted, 2.0)]).square().sum()
+        if self.grid.get_slice_parallel_world_size() > 1:
+            comm.all_reduce(sq, group=self.grid.get_slice_parallel_group())
+        norm = sq.sqrt()
+        max_norm = self.config["gradient_clipping"] if self.config is not None else 0.0
+        if max_norm > 0:
+            clip_(grads, max_norm, norm)
+        return norm
+
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    @hookimpl
+    def microspeed_checkpoint_placements(self, engine: Any) -> dict | None:
+        """Tensor-parallel shards as boxes of their full tensors (one data-parallel replica writes them)."""
+        if self.grid is None or self.grid.get_model_parallel_world_size() == 1:
+            return None
+        from microspeed.checkpoint import Placement
+        from microspeed.errors import ConfigError as _ConfigError
+
+        g = self.grid
+        tp, tp_ranks = g.get_model_parallel_world_size(), g.group_ranks["model"]
+        out = {}
+        for name, p in engine.module.named_parameters():
+            if not getattr(p, "tensor_model_parallel", False):
+                continue
+            dim = p.partition_dim
+            if getattr(p, "partition_stride", 1) != 1:
+                raise _ConfigError(f"checkpoint: {name} is split with partition_stride="
+                                   f"{p.partition_stride}; only stride 1 shards can be saved as boxes.")
+            local = tuple(p.shape)
+            shape = tuple(n * tp if d == dim else n for d, n in enumerate(local))
+            pieces = []
+            for i, q in enumerate(tp_ranks):
+                offsets = tuple(i * local[dim] if d == dim else 0 for d in range(len(local)))
+                pieces.append((q, offsets, local))
+            mine = pieces[g.get_model_parallel_rank()][1]
+            out[name] = Placement(shape=shape, offsets=mine, local=local, pieces=tuple(pieces),
+                                  write=g.get_data_parallel_rank() == 0)
+        return out
+
+
+def default_grid() -> ParallelGrid | None:
+    """The process's default grid (set by a PipelineModule or ``initialize_model_parallel``)."""
+    return get_default_grid()
