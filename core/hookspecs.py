@@ -190,7 +190,11 @@ def microspeed_after_forward(engine: Engine, ctx: StepContext) -> None:
 
 @hookspec
 def microspeed_before_backward(engine: Engine, ctx: StepContext) -> None:
-    """Notification: ``engine.backward(loss)`` was called; ``ctx.loss`` is the unscaled loss."""
+    """Notification: a backward pass begins; ``ctx.loss`` is the unscaled loss.
+
+    ``ctx.loss`` is ``None`` for a backward that starts from a received gradient (a pipeline stage
+    before the last).
+    """
 
 
 @hookspec

@@ -43,8 +43,10 @@ class LossMeter:
         self.total: torch.Tensor | None = None
         self.count = 0
 
-    def add(self, loss: torch.Tensor) -> None:
-        """Add one micro-step's (unscaled) loss."""
+    def add(self, loss: torch.Tensor | None) -> None:
+        """Add one micro-step's (unscaled) loss; ``None`` (a backward without a loss of its own) adds nothing."""
+        if loss is None:
+            return
         loss = loss.detach().float()
         self.total = loss if self.total is None else self.total + loss
         self.count += 1

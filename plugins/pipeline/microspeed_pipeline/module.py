@@ -331,7 +331,7 @@ class PipelineModule(nn.Module):
             return all(_layer_name(f) in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
 
-    def _apply(self, funcs: list[tuple[int, Any]], x: Any) -> Any:
+    def _run_layers(self, funcs: list[tuple[int, Any]], x: Any) -> Any:
         for _idx, f in funcs:
             if isinstance(f, TiedLayerSpec):
                 module = self.tied_modules[f.key]
@@ -345,7 +345,7 @@ class PipelineModule(nn.Module):
         funcs = self._funcs[chunk]
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
-            return self._apply(funcs, forward_input)
+            return self._run_layers(funcs, forward_input)
         ckpt = self.activation_checkpoint_func
         if ckpt is None:
             from microspeed_pipeline.checkpointing import checkpoint, non_reentrant_checkpoint
@@ -361,9 +361,9 @@ class PipelineModule(nn.Module):
             real = [self.tied_modules[f.key] if isinstance(f, TiedLayerSpec) else f for _, f in piece]
             if self._is_checkpointable(real):
                 args = x if isinstance(x, tuple) else (x,)
-                x = ckpt(lambda *a, piece=piece: self._apply(piece, a if len(a) > 1 else a[0]), *args)
+                x = ckpt(lambda *a, piece=piece: self._run_layers(piece, a if len(a) > 1 else a[0]), *args)
             else:
-                x = self._apply(piece, x)
+                x = self._run_layers(piece, x)
         return x
 
     # -- introspection -----------------------------------------------------------------

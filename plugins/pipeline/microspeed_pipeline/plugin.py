@@ -109,8 +109,8 @@ class PipelinePlugin:
     @hookimpl
     def microspeed_before_forward(self, engine: Any) -> None:
         """Refuse ``engine(x)`` with several stages: only the schedule knows what each stage runs."""
-        if self.module is not None and self.module.num_stages > 1 and self.runtime is not None and \
-                not getattr(self.runtime, "running", False):
+        if self.module is not None and self.module.num_stages > 1 and self.runtime is not None \
+                and not self.runtime.running:
             raise RuntimeError(f"engine(...): this model is a pipeline of {self.module.num_stages} stages; train "
                                f"with engine.train_batch(data_iter) and evaluate with engine.eval_batch(data_iter).")
 

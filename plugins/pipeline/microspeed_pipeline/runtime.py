@@ -5,10 +5,11 @@ runtime gives each kind its meaning, and nothing else decides the order:
 
 * ``LoadMicroBatch``: draw the micro-batch from the data iterator (the first stage keeps its
   inputs, the last its labels);
-* ``ForwardPass``: run this rank's layers of the chunk; the last virtual stage computes the loss;
-* ``BackwardPass``: the last virtual stage scales the loss through the core's ``scale_loss``
-  chain (gradient accumulation, fp16 loss scale) and runs the core's ``backward``; the others
-  back-propagate the gradient they received;
+* ``ForwardPass``: run this rank's layers of the chunk (between the core's ``before_forward`` and
+  ``after_forward`` notifications); the last virtual stage computes the loss;
+* ``BackwardPass``: between ``before_backward`` and ``after_backward``, the last virtual stage
+  scales the loss through the core's ``scale_loss`` chain (gradient accumulation, fp16 loss
+  scale) and runs the core's ``backward``; the others back-propagate the gradient they received;
 * ``Send*``/``Recv*``: :class:`~microspeed_pipeline.p2p.P2P`;
 * ``ReduceTiedGrads``: sum tied weights' gradients across their stages;
 * ``ReduceGrads``: the core's ``reduce_gradients`` (data parallel, or ZeRO, over the data axis);
@@ -45,6 +46,7 @@ class PipelineRuntime:
         self.schedule_name = schedule
         self.p2p = P2P(engine.device)
         self.timings: dict[str, float] = {}
+        self.running = False
         self._reset()
 
     def _reset(self) -> None:
@@ -108,8 +110,12 @@ class PipelineRuntime:
         else:
             received = self.inputs[(chunk, mb)]
             x = received if len(received) > 1 else received[0]
-        self.engine.ctx = StepContext(args=(x,), boundary=True)
-        out = self.module(x, chunk=chunk)
+        engine = self.engine
+        engine.ctx = ctx = StepContext(args=(x,), boundary=True)
+        engine.hook.microspeed_before_forward(engine=engine, ctx=ctx)
+        ctx.outputs = self.module(*ctx.args, chunk=chunk)
+        engine.hook.microspeed_after_forward(engine=engine, ctx=ctx)
+        out = ctx.outputs
         if self._is_last_virtual(chunk):
             _, labels = self._split(self.batches[mb])
             if isinstance(labels, torch.Tensor):
@@ -128,17 +134,21 @@ class PipelineRuntime:
 
     def _backward(self, mb: int, chunk: int) -> None:
         engine = self.engine
+        # reduction waits for ReduceGrads, after the tied-weight sums: no reduction from backward hooks
+        engine.ctx = ctx = StepContext(boundary=True, reduce=False)
         if self._is_last_virtual(chunk):
-            loss = self.outputs.pop((chunk, mb))
-            engine.ctx = StepContext(loss=loss, boundary=True, reduce=False)
+            ctx.loss = loss = self.outputs.pop((chunk, mb))
+            engine.hook.microspeed_before_backward(engine=engine, ctx=ctx)
             scaled = engine.plugins.call_chain("microspeed_scale_loss", "loss", loss, engine=engine)
             engine.hook.microspeed_backward(engine=engine, loss=scaled, retain_graph=False)
         else:
             outs = self.outputs.pop((chunk, mb))
             grads = self.grads.pop((chunk, mb))
             pairs = [(o, g) for o, g in zip((o for o in outs if o.requires_grad), grads, strict=True)]
+            engine.hook.microspeed_before_backward(engine=engine, ctx=ctx)
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+        engine.hook.microspeed_after_backward(engine=engine, ctx=ctx)
         if not self._is_first_virtual(chunk):
             received = self.inputs.pop((chunk, mb))
             self.input_grads[(chunk, mb)] = tuple(
@@ -174,6 +184,13 @@ class PipelineRuntime:
 
     def _execute(self, schedule: sched.PipeSchedule) -> None:
         self.p2p.new_batch()
+        self.running = True
+        try:
+            self._run(schedule)
+        finally:
+            self.running = False
+
+    def _run(self, schedule: sched.PipeSchedule) -> None:
         busy = 0.0
         for ins in schedule.instructions():
             if isinstance(ins, sched.LoadMicroBatch):
