@@ -92,9 +92,24 @@ class PipelinePlugin:
                               f"combines with ZeRO stage 0 or 1 only (stages 2 and 3 reduce gradients during "
                               f"backward, which the pipeline schedule interleaves across micro-batches); set "
                               f"zero_optimization.stage to 1.")
+        self._check_zero(config, stage)
         if self.module.num_chunks > 1 and config["pipeline"]["schedule"] not in (None, "interleaved"):
             raise ConfigError(f"pipeline.schedule={config['pipeline']['schedule']!r}: the PipelineModule has "
                               f"num_chunks={self.module.num_chunks}, which only the 'interleaved' schedule runs.")
+
+    def _check_zero(self, config: Any, stage: int) -> None:
+        """ZeRO measures gradient norms itself, unaware of tied copies and tensor-parallel shards."""
+        if stage < 1:
+            return
+        if self.grid.get_model_parallel_world_size() > 1:
+            raise ConfigError(f"zero_optimization.stage={stage}: ZeRO with tensor parallelism (model axis "
+                              f"{self.grid.get_model_parallel_world_size()}) is not supported; use ZeRO with a "
+                              f"pipeline and data parallelism only, or set zero_optimization.stage to 0.")
+        tied = [k for k in self.module._tie_keys() if len(self.module.tied_owner_stages(k)) > 1]
+        if tied and config["gradient_clipping"] > 0:
+            raise ConfigError(f"gradient_clipping={config['gradient_clipping']}: with ZeRO the gradient norm would "
+                              f"count the tied weights {tied} once per stage that holds them; set "
+                              f"gradient_clipping to 0 or zero_optimization.stage to 0.")
 
     @hookimpl
     def microspeed_after_model_ready(self, engine: Any, model: torch.nn.Module) -> None:

@@ -131,3 +131,53 @@ def test_pipeline_section_without_a_pipeline_module_is_refused():
     cfg = _config({"pipeline": {"schedule": "1f1b"}})
     with pytest.raises(microspeed.ConfigError, match="PipelineModule"):
         microspeed.initialize(model=torch.nn.Linear(2, 2), config=cfg)
+
+
+def _zero_save_or_resume(stages: int, path: str, save_after: int | None, resume: bool, steps: int) -> list[float]:
+    import microspeed
+
+    model = pipeline(mlp_specs(), num_stages=stages, partition_method="uniform")
+    engine, *_ = microspeed.initialize(model=model, config=_config({"zero_optimization": {"stage": 1}}))
+    dp, d = engine.topology.data_parallel_size, engine.topology.data_parallel_rank
+    start = 0
+    if resume:
+        engine.load_checkpoint(path)
+        start = engine.global_steps
+    losses = []
+    for step in range(start, steps):
+        losses.append(engine.train_batch(iter(micro_batches(step, dp * GAS, MICRO)[d * GAS:(d + 1) * GAS])).item())
+        if save_after is not None and step + 1 == save_after:
+            engine.save_checkpoint(path)
+    return losses
+
+
+def test_zero1_pipeline_checkpoint_resumes_under_another_split(tmp_path):
+    expected = reference_losses(2, steps=4)
+    run_distributed(_zero_save_or_resume, world_size=4, args=(2, str(tmp_path), 2, False, 2), timeout=180)
+    for losses in run_distributed(_zero_save_or_resume, world_size=2, args=(1, str(tmp_path), None, True, 4),
+                                  timeout=180):  # pp2 x dp2 -> pp1 x dp2
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[2:]), rtol=1e-5, atol=0)
+
+
+def _zero_refusals() -> dict:
+    from microspeed_pipeline import PipeModelDataParallelTopology
+    from pipeline_models import block_specs, tied_specs
+
+    import microspeed
+
+    out = {}
+    zero = {"zero_optimization": {"stage": 1}}
+    for key, model in {"tp": pipeline(block_specs(tp=True), topology=PipeModelDataParallelTopology(1, 2, 1)),
+                       "tied": pipeline(tied_specs(), num_stages=2)}.items():
+        try:
+            microspeed.initialize(model=model, config=_config(zero))
+            out[key] = "accepted"
+        except microspeed.ConfigError as exc:
+            out[key] = str(exc)
+    return out
+
+
+def test_zero_with_tensor_parallel_or_clipped_tied_weights_is_refused():
+    for r in run_distributed(_zero_refusals, world_size=2, timeout=120):
+        assert "tensor parallelism" in r["tp"] and "zero_optimization.stage" in r["tp"]
+        assert "tied weights ['embed']" in r["tied"] and "gradient_clipping" in r["tied"]
