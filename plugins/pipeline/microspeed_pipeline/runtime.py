@@ -47,6 +47,7 @@ class PipelineRuntime:
         self.p2p = P2P(engine.device)
         self.timings: dict[str, float] = {}
         self.running = False
+        self._proven: set[tuple[int, int]] = set()
         self._reset()
 
     def _reset(self) -> None:
@@ -66,6 +67,11 @@ class PipelineRuntime:
         if name is None:
             name = "interleaved" if self.chunks > 1 else "1f1b"
         if name == "interleaved":
+            if micro_batches % self.stages and (micro_batches, self.chunks) not in self._proven:
+                # a short last group: prove this configuration on every stage once (well under a second)
+                sched.simulate([sched.InterleavedTrainSchedule(micro_batches, self.stages, s, self.chunks)
+                                for s in range(self.stages)])
+                self._proven.add((micro_batches, self.chunks))
             return sched.InterleavedTrainSchedule(micro_batches, self.stages, self.stage_id, self.chunks)
         if self.chunks > 1:
             raise ValueError(f"pipeline.schedule={name!r} runs one chunk per stage, but the PipelineModule has "
@@ -273,11 +279,7 @@ class PipelineRuntime:
         self._reset()
         try:
             with torch.no_grad():
-                for chunk_schedule in [sched.InferenceSchedule(micro, self.stages, self.stage_id)]:
-                    if self.chunks > 1:
-                        raise ValueError("eval_batch: interleaved (num_chunks > 1) inference is not implemented; "
-                                         "evaluate with a PipelineModule of num_chunks=1.")
-                    self._execute(chunk_schedule)
+                self._execute(sched.InferenceSchedule(micro, self.stages, self.stage_id, self.chunks))
             loss = self._aggregate(self.losses, reduce_output, bcast_loss) if compute_loss else None
             logits = self.logits
         finally:

@@ -345,12 +345,22 @@ class GPipeSchedule(PipeSchedule):
 
 
 class InferenceSchedule(PipeSchedule):
-    """Forward passes only (evaluation): no backward, no gradient traffic, no optimizer step."""
+    """Forward passes only (evaluation): no backward, no gradient traffic, no optimizer step.
+
+    With ``chunks > 1`` (an interleaved model) each rank runs ``(micro_batch, chunk)`` in lexicographic
+    order: a pass depends only on passes earlier in that order (the previous stage's same chunk, or the last
+    stage's previous chunk), so the schedules cannot deadlock.
+    """
 
     is_training = False
 
+    def __init__(self, micro_batches: int, stages: int, stage_id: int, chunks: int = 1) -> None:
+        super().__init__(micro_batches, stages, stage_id)
+        _check_int("chunks", chunks, 1, type(self).__name__)
+        self.chunks = chunks
+
     def _compute_order(self) -> list[_Op]:
-        return [_Op("F", i, 0) for i in range(self.micro_batches)]
+        return [_Op("F", i, c) for i in range(self.micro_batches) for c in range(self.chunks)]
 
 
 class InterleavedTrainSchedule(PipeSchedule):

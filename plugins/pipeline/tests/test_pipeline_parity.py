@@ -55,3 +55,23 @@ def test_pipeline_losses_equal_single_process(world, stages, chunks):
     for rank, losses in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0,
                                    msg=lambda m, r=rank: f"rank {r}: {m}")
+
+
+def _interleaved_odd_and_eval() -> dict:
+    import microspeed
+
+    model = pipeline(mlp_specs(), num_stages=2, num_chunks=2, partition_method="uniform")
+    engine, *_ = microspeed.initialize(model=model, config=_config({"gradient_accumulation_steps": 3}))
+    loss = engine.train_batch(iter(micro_batches(0, 3, MICRO))).item()  # 3 micro-batches on 2 stages
+    return {"loss": loss, "eval": engine.eval_batch(iter(micro_batches(5, 3, MICRO))).item()}
+
+
+def test_interleaved_with_a_short_last_group_and_interleaved_eval():
+    results = run_distributed(_interleaved_odd_and_eval, world_size=2, timeout=120)
+    from pipeline_models import build_reference
+
+    model = build_reference(mlp_specs())
+    first = torch.stack([torch.nn.functional.mse_loss(model(x), y) for x, y in micro_batches(0, 3, MICRO)]).mean()
+    for r in results:
+        torch.testing.assert_close(r["loss"], first.item(), rtol=1e-6, atol=0)
+        assert r["eval"] == results[0]["eval"]

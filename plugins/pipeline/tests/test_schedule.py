@@ -373,3 +373,16 @@ def test_ideal_bubble_fraction() -> None:
     p, m, v = 4, 8, 3
     bubble = ideal_bubble_fraction(p, m, v)
     assert bubble / (1 - bubble) == pytest.approx((p - 1) / (v * m))
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_interleaved_inference_completes_and_runs_every_chunk_once(chunks):
+    """An interleaved model's evaluation: each (micro-batch, chunk) forward once, no deadlock, no backward."""
+    for stages in range(1, 5):
+        for m in range(1, 9):
+            schedules = [InferenceSchedule(m, stages, s, chunks) for s in range(stages)]
+            simulate(schedules)
+            for sch in schedules:
+                fwd = [(i.micro_batch, i.chunk) for i in sch.instructions() if isinstance(i, ForwardPass)]
+                assert sorted(fwd) == [(mb, c) for mb in range(m) for c in range(chunks)]
+                assert not any(isinstance(i, (BackwardPass, SendGrad, RecvGrad)) for i in sch.instructions())
