@@ -285,6 +285,15 @@ class PipelineModule(nn.Module):
             stages = self.tied_owner_stages(key)
             if len(stages) < 2:
                 continue
+            spec = next(s for s in self._layer_specs if isinstance(s, TiedLayerSpec) and s.key == key)
+            with torch.device("meta"):  # the same answer on every rank, before any collective
+                names = [n for n, _ in spec.build().named_parameters()]
+            extra = [n for n in names if n not in spec.tied_weight_attr]
+            if extra:  # each stage would train its own copy of these, and the copies would drift apart
+                raise ConfigError(f"TiedLayerSpec({key!r}): the module has parameters {extra} besides "
+                                  f"tied_weight_attr {spec.tied_weight_attr}, and it is used on stages {stages}; "
+                                  f"only the tied weights are kept equal across stages. Move the other "
+                                  f"parameters into a layer of their own, or name them in tied_weight_attr.")
             seen = set()
             for rank in range(topo.world_size()):
                 coord = topo.get_coord(rank)._asdict()
@@ -300,7 +309,7 @@ class PipelineModule(nn.Module):
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         """The shared weights of tied module ``key`` on this rank."""
         module = self.tied_modules[key]
-        return [getattr(module, attr) for attr in self.tied_weight_attrs[key]]
+        return [module.get_parameter(attr) for attr in self.tied_weight_attrs[key]]
 
     def _synchronize_tied_weights(self) -> None:
         """Copies of a tied module start as the first owning stage's."""
