@@ -181,3 +181,28 @@ def test_zero_with_tensor_parallel_or_clipped_tied_weights_is_refused():
     for r in run_distributed(_zero_refusals, world_size=2, timeout=120):
         assert "tensor parallelism" in r["tp"] and "zero_optimization.stage" in r["tp"]
         assert "tied weights ['embed']" in r["tied"] and "gradient_clipping" in r["tied"]
+
+
+def _onebit_pipeline() -> dict:
+    import torch.distributed as dist
+
+    import microspeed
+
+    model = pipeline(mlp_specs(), num_stages=2, partition_method="uniform")
+    cfg = _config({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 4}},
+                   "gradient_clipping": 0.0})
+    engine, *_ = microspeed.initialize(model=model, config=cfg)
+    dp, d = engine.topology.data_parallel_size, engine.topology.data_parallel_rank
+    losses = [engine.train_batch(iter(micro_batches(step % 2, dp * GAS, MICRO)[d * GAS:(d + 1) * GAS])).item()
+              for step in range(8)]
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    replicas = [torch.empty_like(flat) for _ in range(dp)]
+    dist.all_gather(replicas, flat, group=engine.topology.data_parallel_group)
+    return {"losses": losses, "replicas_equal": all(torch.equal(r, replicas[0]) for r in replicas),
+            "compressing": engine.owner("gradient_reduction") == "comm"}
+
+
+def test_onebit_adam_compresses_across_the_data_axis_of_a_pipeline():
+    for r in run_distributed(_onebit_pipeline, world_size=4, timeout=180):
+        assert r["compressing"] and r["replicas_equal"]
+        assert r["losses"][-1] < r["losses"][1]  # the two alternating batches: compare like with like
