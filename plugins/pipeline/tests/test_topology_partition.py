@@ -547,8 +547,9 @@ def test_grids_and_pipeline_module_on_four_ranks():
         assert res["parts"] == partition_balanced(weights, 4) and _max_part(weights, res["parts"]) == 40
         local = res["local"]
         assert local == list(range(res["parts"][rank], res["parts"][rank + 1]))
-        # counting built every spec on meta, the real build only the local ones
-        assert sorted(i for i, dev in res["builds"] if dev == "meta") == spec_indices, (rank, res["builds"])
+        # counting built every spec on meta (the tie check builds a tied spec on meta once more), the real
+        # build only the local ones
+        assert sorted({i for i, dev in res["builds"] if dev == "meta"}) == spec_indices, (rank, res["builds"])
         assert sorted(i for i, dev in res["builds"] if dev == "cpu") == [i for i in local if i in spec_indices], \
             (rank, res["builds"])
         assert res["param_indices"] == [i for i in local if i in (1, 3, 5, 6)], (rank, res["param_indices"])
