@@ -18,24 +18,31 @@ import microspeed.cli
 from microspeed.testing import free_port
 
 MISSING = [  # (how DeepSpeed scripts reach it, module to import, name imported from it, distribution)
-    ("moe", "microspeed.moe.layer", "MoE", "microspeed-moe"),
+    ("fakeplugin", "microspeed.fakeplugin.layer", "Thing", "microspeed-fakeplugin"),
     ("ops.sparse_attention", "microspeed.ops.sparse_attention", "SparseSelfAttention", "microspeed-sparse-attn"),
 ]
 
 
+FAKE = ("fakeplugin", "microspeed_fakeplugin", "microspeed-fakeplugin")
+"""An alias for a plugin package that no distribution provides (tests write it into a temp folder)."""
+
+
 def _plugin_modules():
     return [name for name in sys.modules
-            if name == "microspeed_moe" or name.startswith(("microspeed_moe.", "microspeed.moe"))]
+            if name == FAKE[1] or name.startswith((FAKE[1] + ".", f"microspeed.{FAKE[0]}"))]
 
 
 @pytest.fixture
-def no_moe_modules():
-    """Forget every microspeed.moe / microspeed_moe module before and after the test."""
+def no_fake_modules(monkeypatch):
+    """Register the fake alias; forget its modules before and after the test."""
+    from microspeed import namespaces
+
+    monkeypatch.setitem(namespaces.ALIASES, FAKE[0], (FAKE[1], FAKE[2]))
 
     def clear():
         for name in _plugin_modules():
             del sys.modules[name]
-        microspeed.__dict__.pop("moe", None)  # the import system sets it on the parent package
+        microspeed.__dict__.pop(FAKE[0], None)  # the import system sets it on the parent package
 
     clear()
     yield
@@ -50,7 +57,7 @@ def _ds_attribute(ds, dotted):
 
 
 @pytest.mark.parametrize("alias, module, name, dist", MISSING, ids=[m[0] for m in MISSING])
-def test_missing_plugin_namespace_names_the_distribution(alias, module, name, dist, no_moe_modules):
+def test_missing_plugin_namespace_names_the_distribution(alias, module, name, dist, no_fake_modules):
     import microspeed as deepspeed
 
     assert issubclass(microspeed.MissingPluginError, ImportError)
@@ -69,10 +76,10 @@ def test_unknown_attribute_of_microspeed_is_attribute_error():
     assert not hasattr(microspeed.ops, "nothing_here")
 
 
-def _write_fake_moe(root):
-    pkg = root / "microspeed_moe"
+def _write_fake_plugin(root):
+    pkg = root / FAKE[1]
     pkg.mkdir()
-    (pkg / "__init__.py").write_text('"""A fake microspeed-moe plugin."""\nVERSION = "9.9"\n')
+    (pkg / "__init__.py").write_text('"""A fake plugin."""\nVERSION = "9.9"\n')
     (pkg / "sharded_moe.py").write_text(textwrap.dedent("""
         def top1gating(logits):
             return _argmax(logits)
@@ -84,43 +91,43 @@ def _write_fake_moe(root):
     return pkg
 
 
-def test_installed_plugin_is_reached_through_the_alias(tmp_path, monkeypatch, no_moe_modules):
-    _write_fake_moe(tmp_path)
+def test_installed_plugin_is_reached_through_the_alias(tmp_path, monkeypatch, no_fake_modules):
+    _write_fake_plugin(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     import microspeed as deepspeed
-    from microspeed.moe.sharded_moe import top1gating
+    from microspeed.fakeplugin.sharded_moe import top1gating
 
-    assert "microspeed_moe.sharded_moe" in sys.modules  # the alias imported the plugin's module
-    real = importlib.import_module("microspeed_moe.sharded_moe")
+    assert "microspeed_fakeplugin.sharded_moe" in sys.modules  # the alias imported the plugin's module
+    real = importlib.import_module("microspeed_fakeplugin.sharded_moe")
     assert top1gating is real.top1gating
-    assert deepspeed.moe.sharded_moe.top1gating is real.top1gating
-    assert deepspeed.moe.VERSION == "9.9"
+    assert deepspeed.fakeplugin.sharded_moe.top1gating is real.top1gating
+    assert deepspeed.fakeplugin.VERSION == "9.9"
     assert top1gating(torch.tensor([[0.1, 0.9]])).tolist() == [1]
 
 
-def test_alias_module_missing_attribute_is_attribute_error(tmp_path, monkeypatch, no_moe_modules):
-    _write_fake_moe(tmp_path)
+def test_alias_module_missing_attribute_is_attribute_error(tmp_path, monkeypatch, no_fake_modules):
+    _write_fake_plugin(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import microspeed.moe
+    import microspeed.fakeplugin
 
-    assert not hasattr(microspeed.moe, "no_such_name")
-    assert getattr(microspeed.moe, "no_such_name", None) is None
+    assert not hasattr(microspeed.fakeplugin, "no_such_name")
+    assert getattr(microspeed.fakeplugin, "no_such_name", None) is None
     namespace: dict = {}
-    exec("from microspeed.moe import *", namespace)  # the fake plugin has no __all__
+    exec("from microspeed.fakeplugin import *", namespace)  # the fake plugin has no __all__
     assert namespace["VERSION"] == "9.9"
 
 
-def test_alias_is_the_plugin_module_itself(tmp_path, monkeypatch, no_moe_modules):
-    _write_fake_moe(tmp_path)
+def test_alias_is_the_plugin_module_itself(tmp_path, monkeypatch, no_fake_modules):
+    _write_fake_plugin(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import microspeed.moe.sharded_moe as via_alias
+    import microspeed.fakeplugin.sharded_moe as via_alias
 
-    real = importlib.import_module("microspeed_moe.sharded_moe")
+    real = importlib.import_module("microspeed_fakeplugin.sharded_moe")
 
     # What namespaces.AliasFinder promises: "import microspeed.<alias>[.sub] returns the plugin's own module".
     monkeypatch.setattr(via_alias, "_argmax", lambda logits: "patched")  # as a DeepSpeed test would patch it
     assert real.top1gating(torch.zeros(1, 2)) == "patched"
-    assert via_alias is real and sys.modules["microspeed.moe"] is sys.modules["microspeed_moe"]
+    assert via_alias is real and sys.modules["microspeed.fakeplugin"] is sys.modules["microspeed_fakeplugin"]
 
 
 def test_add_config_arguments(tmp_path, tiny_model, base_config):
