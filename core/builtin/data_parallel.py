@@ -10,6 +10,7 @@ writes the averages back.
 Scaling follows DeepSpeed: by default each bucket is divided by ``gradient_predivide_factor``
 before the sum and multiplied by ``factor / world`` after; with ``prescale_gradients`` it is
 divided by the world size before the sum. ``communication_data_type`` casts buckets for the wire.
+Parameters marked ``allreduce = False`` (expert parameters) are neither broadcast nor reduced here.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ from microspeed.hookspecs import hookimpl
 from microspeed.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def reduced_over_data_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is replicated over the data-parallel group (broadcast at start, gradients averaged).
+
+    ``param.allreduce = False`` is DeepSpeed's mark for parameters that differ across data-parallel
+    ranks (the experts of a Mixture-of-Experts layer); the plugin that made them synchronises them.
+    """
+    return getattr(param, "allreduce", True) is not False
 
 
 class Bucket:
@@ -166,7 +176,7 @@ class DataParallelPlugin:
         self.reducer = Reducer(topo.data_parallel_group, topo.data_parallel_size,
                                c["data_parallel"]["reduce_bucket_size"], c["prescale_gradients"],
                                c["gradient_predivide_factor"], DTYPES[dtype] if dtype else None)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad and reduced_over_data_parallel(p)]
         self._broadcast_parameters(model, topo)
         elsewhere = engine.hook.microspeed_gradient_buffers(engine=engine) is not None
         self.overlap = c["data_parallel"]["overlap_comm"] and not elsewhere
@@ -181,7 +191,7 @@ class DataParallelPlugin:
 
         src = dist.get_global_rank(topo.data_parallel_group, 0) if topo.data_parallel_group is not None else 0
         with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):
+            for t in [p for p in model.parameters() if reduced_over_data_parallel(p)] + list(model.buffers()):
                 comm.broadcast(t.data, src=src, group=topo.data_parallel_group)
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:

@@ -152,7 +152,9 @@ class MixedPrecisionPlugin:
         """With fp32 accumulation, the masters' fp32 gradients are the ones to reduce."""
         if not self.accumulate_fp32 or self._stepped_elsewhere():
             return None
-        return [self._master_grad(m) for _, m in self.pairs]
+        from microspeed.builtin.data_parallel import reduced_over_data_parallel
+
+        return [self._master_grad(m) for p, m in self.pairs if reduced_over_data_parallel(p)]
 
     @staticmethod
     def _master_grad(master: torch.nn.Parameter) -> torch.Tensor:
