@@ -1,0 +1,87 @@
+"""Expert-parallel process groups: which ranks split the experts, which hold copies of the same ones.
+
+With ``W`` data-parallel ranks and ``ep_size = E`` (``E`` divides ``W``), as DeepSpeed lays them out:
+
+* an **expert-parallel group** is ``E`` consecutive ranks ``[iE, …, iE + E − 1]``: together they hold
+  every expert of a layer once (rank ``iE + j`` holds experts ``j·n … (j + 1)·n − 1``, ``n`` local
+  experts each), and tokens are exchanged among them with ``all_to_all``;
+* an **expert-data-parallel group** is the ``W / E`` ranks ``[j, j + E, j + 2E, …]`` holding the same
+  experts: their expert gradients are summed over it.
+
+Groups are made once per ``ep_size`` (creating groups is collective: every rank makes every group,
+in the same order) and cached per process, like torch's own groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The two groups of one ``ep_size`` for this rank, and where this rank sits in them."""
+
+    ep_size: int
+    world_size: int
+    ep_rank: int
+    ep_group: Any
+    ep_ranks: tuple[int, ...]
+    edp_group: Any
+    edp_ranks: tuple[int, ...]
+
+    @property
+    def edp_size(self) -> int:
+        """Copies of each expert (ranks in the expert-data-parallel group)."""
+        return len(self.edp_ranks)
+
+
+_CACHE: dict[int, ExpertGroups] = {}
+
+
+def expert_rank(ep_size: int) -> int:
+    """This rank's position in its expert-parallel group (which experts it holds); 0 without distribution."""
+    return dist.get_rank() % ep_size if dist.is_initialized() else 0
+
+
+def check_ep_size(ep_size: int, num_experts: int) -> None:
+    """Refuse an ``ep_size`` that does not divide the experts or the world, naming the fix."""
+    if not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"MoE(ep_size={ep_size!r}): expected a positive int.")
+    if num_experts % ep_size:
+        raise ValueError(f"MoE(num_experts={num_experts}, ep_size={ep_size}): ep_size must divide num_experts.")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if ep_size > 1 and not dist.is_initialized():
+        raise ValueError(f"MoE(ep_size={ep_size}): start torch.distributed first (microspeed.init_distributed()), "
+                         f"so each rank knows which experts it holds.")
+    if world % ep_size:
+        raise ValueError(f"MoE(ep_size={ep_size}): the world size {world} must be a multiple of ep_size.")
+
+
+def get_expert_groups(ep_size: int) -> ExpertGroups:
+    """The (cached) groups for ``ep_size`` over the world (collective the first time on every rank)."""
+    if ep_size in _CACHE:
+        return _CACHE[ep_size]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if world % ep_size:
+        raise ValueError(f"MoE(ep_size={ep_size}): the world size {world} must be a multiple of ep_size.")
+    ep_group = edp_group = None
+    ep_ranks: tuple[int, ...] = (rank,)
+    edp_ranks: tuple[int, ...] = (rank,)
+    if dist.is_initialized():
+        for start in range(0, world, ep_size):
+            ranks = tuple(range(start, start + ep_size))
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                ep_group, ep_ranks = group, ranks
+        for j in range(ep_size):
+            ranks = tuple(range(j, world, ep_size))
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                edp_group, edp_ranks = group, ranks
+    groups = ExpertGroups(ep_size, world, rank % ep_size, ep_group, ep_ranks, edp_group, edp_ranks)
+    _CACHE[ep_size] = groups
+    return groups
