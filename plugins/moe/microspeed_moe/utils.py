@@ -15,7 +15,7 @@ import torch
 
 
 def is_moe_param(param: torch.Tensor) -> bool:
-    """Whether ``param`` belongs to an expert (``allreduce = False``, set by :class:`~microspeed_moe.experts.Experts`)."""
+    """Whether ``param`` belongs to an expert (marked ``allreduce = False`` by ``Experts``)."""
     return getattr(param, "allreduce", True) is False
 
 
