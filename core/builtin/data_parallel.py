@@ -15,9 +15,11 @@ Parameters marked ``allreduce = False`` (expert parameters) are neither broadcas
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from microspeed import comm
 from microspeed.config import Field, Section, positive
@@ -25,6 +27,39 @@ from microspeed.hookspecs import hookimpl
 from microspeed.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The ranks holding copies of a parameter that is not replicated over the whole data-parallel group.
+
+    A plugin that gives data-parallel ranks different parameters (the experts of a Mixture-of-Experts
+    layer) marks each with ``param.allreduce = False`` and ``param.replica_group = ReplicaGroup(group,
+    ranks)``. A gradient-reduction owner that says ``supports_replica_groups`` on its plugin state (ZeRO
+    stages 1 and 2) partitions and reduces such a parameter over its group, still averaging by the
+    data-parallel size; the others leave it to the plugin that made it.
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Ranks in the group."""
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's position in the group."""
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if me not in self.ranks:
+            raise ValueError(f"ReplicaGroup{self.ranks}: rank {me} is not a member")
+        return self.ranks.index(me)
+
+
+def replica_group(param: torch.Tensor) -> ReplicaGroup | None:
+    """The :class:`ReplicaGroup` ``param`` is replicated over, or ``None`` for the data-parallel group."""
+    return getattr(param, "replica_group", None)
 
 
 def reduced_over_data_parallel(param: torch.Tensor) -> bool:

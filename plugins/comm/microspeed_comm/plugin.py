@@ -173,6 +173,13 @@ class CommPlugin:
             raise ConfigError(f"{type(optimizer).__name__}: the plugin {engine.owner('optimizer_step')!r} steps the "
                               f"optimizer or reduces gradients itself (ZeRO?); the 1-bit optimizers need the "
                               f"whole momentum on every rank: use zero_optimization.stage 0")
+        from microspeed.builtin.data_parallel import reduced_over_data_parallel
+
+        held_apart = [n for n, p in engine.module.named_parameters() if not reduced_over_data_parallel(p)]
+        if held_apart:
+            raise ConfigError(f"{type(optimizer).__name__}: parameters such as {held_apart[0]!r} are held by only some "
+                              f"data-parallel ranks (MoE experts); the 1-bit optimizers compress one momentum over "
+                              f"the whole data-parallel group. Use Adam (with ZeRO stage 1 or 2 if you like).")
         optimizer.set_process_group(engine.topology.data_parallel_group)
         self.optimizer = optimizer
         self.log = get_logger("microspeed.comm")

@@ -13,6 +13,11 @@ plugin does, over each layer's *expert-data-parallel* group (the ranks holding t
 * ``clip_gradients``: the global norm adds each expert's square once (summed over the expert-parallel
   group) to the replicated parameters' squares.
 
+With ZeRO stages 1 and 2 the plugin only marks each expert parameter with its
+:class:`~microspeed.builtin.data_parallel.ReplicaGroup` (the expert-data-parallel group): ZeRO partitions,
+reduces and steps expert parameters over that group, so the two hooks above stand down. A gradient
+reducer that cannot do so (ZeRO stage 3) is refused at ``initialize()``.
+
 Checkpoints need nothing more: experts are named by global index (see
 :mod:`microspeed_moe.experts`), so the core's union of the ranks' names is the whole model, and a
 checkpoint saved with ``ep_size`` 2 loads with 1 or 4.
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from microspeed import comm
+from microspeed.builtin.data_parallel import ReplicaGroup
 from microspeed.errors import ConfigError
 from microspeed.hookspecs import hookimpl
 from microspeed_moe.groups import ExpertGroups, get_expert_groups
@@ -55,6 +61,7 @@ class MoEPlugin:
             groups = get_expert_groups(layer.ep_size)
             layer.deepspeed_moe._set_ep_group(groups.ep_group)
             for p in layer.deepspeed_moe.experts.parameters():
+                p.replica_group = ReplicaGroup(groups.edp_group, groups.edp_ranks)
                 self.expert_params.append((p, groups))
         with torch.no_grad():
             for p, g in self.expert_params:
@@ -72,17 +79,23 @@ class MoEPlugin:
         if (cfg.get("data_types.grad_accum_dtype") or None) in ("fp32",) and cfg.get("bf16.enabled", False):
             raise ConfigError("data_types.grad_accum_dtype=fp32 with MoE layers is not supported: expert "
                               "gradients are summed from the parameters' own gradients. Remove the key.")
-        stage = cfg.get("zero_optimization.stage", 0) or 0
-        if stage >= 1:
-            raise ConfigError(f"zero_optimization.stage={stage} with MoE layers is not supported yet: ZeRO would "
-                              f"partition expert parameters over the data-parallel group, but each rank holds "
-                              f"different experts. Set zero_optimization.stage to 0.")
+        owner = engine.owner("gradient_reduction")
+        if owner is not None and not getattr(engine.plugin_state(owner), "supports_replica_groups", False):
+            stage = cfg.get("zero_optimization.stage", 0) or 0
+            hint = (f"zero_optimization.stage={stage} partitions every parameter over the whole data-parallel "
+                    f"group (DeepSpeed refuses ZeRO-3 with MoE too); use stage 1 or 2" if owner == "zero"
+                    else "turn that feature off")
+            raise ConfigError(f"MoE layers: the plugin {owner!r} reduces gradients but cannot keep expert parameters "
+                              f"apart (each rank holds different experts): {hint}.")
 
     @hookimpl(wrapper=True)
     def microspeed_reduce_gradients(self, engine: Any) -> Any:
-        """After the rest is reduced: sum expert gradients over their copies, divide by the data-parallel size."""
+        """After the rest is reduced: sum expert gradients over their copies, divide by the data-parallel size.
+
+        Stands down when another plugin owns gradient reduction (it reduces experts over their replica groups).
+        """
         result = yield
-        if self.expert_params:
+        if self.expert_params and engine.owner("gradient_reduction") is None:
             world = engine.topology.data_parallel_size
             for p, g in self.expert_params:
                 if not p.requires_grad:
@@ -98,7 +111,7 @@ class MoEPlugin:
     @hookimpl
     def microspeed_clip_gradients(self, engine: Any, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Global norm: replicated squares once, expert squares summed over each expert-parallel group."""
-        if not self.expert_params:
+        if not self.expert_params or engine.owner("gradient_reduction") is not None:
             return None
         from microspeed.builtin.gradient_clipping import clip_
 

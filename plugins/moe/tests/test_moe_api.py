@@ -67,3 +67,16 @@ def test_split_groups_train_through_initialize():
     engine.backward(out.square().mean() + l_aux)
     engine.step()
     assert any(not torch.equal(a, b) for a, b in zip(before, moe.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage=3 .*use stage 1 or 2"),
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}},
+     r"OneBitAdam: parameters such as 'deepspeed_moe.experts.deepspeed_experts.0.weight' are held by only some"),
+])
+def test_what_cannot_keep_experts_apart_is_refused_at_initialize(extra, match):
+    from microspeed.errors import ConfigError
+
+    config = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, **extra}
+    with pytest.raises(ConfigError, match=match):
+        microspeed.initialize(model=_moe(num_experts=2), config=config)

@@ -20,27 +20,23 @@ from microspeed.checkpoint import CheckpointError, CheckpointWarning, flat_shard
 from microspeed.checkpoint_manifest import TensorRef, split
 
 
-def _global_rank(rt: Any, q: int) -> int:
-    return dist.get_global_rank(rt.group, q) if rt.group is not None else q
-
-
 def _sharded(rt: Any, seg: Any, i: int, local: torch.Tensor) -> Any:
     """``params[i]`` of ``seg`` as a sharded tensor whose local piece comes from ``local`` (this rank's slice)."""
     p = seg.params[i]
     shape = getattr(p, "ds_shape", tuple(p.shape))
     world_global = dist.get_world_size() if dist.is_initialized() else 1
     ranges: list[list[tuple[int, int]]] = [[] for _ in range(world_global)]
-    for q in range(rt.world):
+    for q in range(seg.world):
         rng = seg.param_range(i, q)
         if rng is not None:
-            ranges[_global_rank(rt, q)] = [rng]
-    mine = seg.param_range(i, rt.rank)
+            ranges[seg.global_rank(q)] = [rng]
+    mine = seg.param_range(i, seg.rank)
     if mine is None:
         piece = local[:0]
     else:
-        s = seg.offsets[i] + mine[0] - seg.slice_of(rt.rank)[0]
+        s = seg.offsets[i] + mine[0] - seg.slice_of(seg.rank)[0]
         piece = local[s:s + mine[1] - mine[0]]
-    return flat_shard(piece, shape, ranges, _global_rank(rt, rt.rank))
+    return flat_shard(piece, shape, ranges, seg.global_rank(seg.rank))
 
 
 def _params(rt: Any) -> list[tuple[Any, int, torch.nn.Parameter]]:
@@ -72,11 +68,11 @@ def _run_of(rt: Any, seg: Any, offset: int) -> tuple[Any, int, torch.Tensor] | N
 
 def _state_local(rt: Any, seg: Any, i: int, name: str) -> torch.Tensor:
     """A tensor laid out like this rank's slice of ``seg`` whose piece of ``params[i]`` is the live state ``name``."""
-    mine = seg.param_range(i, rt.rank)
+    mine = seg.param_range(i, seg.rank)
     base = torch.empty(0)
     if mine is None:
         return base
-    s = seg.offsets[i] + mine[0] - seg.slice_of(rt.rank)[0]
+    s = seg.offsets[i] + mine[0] - seg.slice_of(seg.rank)[0]
     start, _end, view = _run_of(rt, seg, s)
     state = rt.optimizer.inner.state[view][name]
     # present the run's state as if it started at offset `start` of the slice
@@ -138,7 +134,7 @@ def _save_optimizer(rt: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         entry = {k: split(v, f"optim/{fqn}/{k}", tensors) for k, v in scalars.get(g, {}).items()}
         for name in tensor_names:
             key = f"optim/{fqn}/{name}"
-            tensors[key] = _sharded(rt, seg, i, _state_local(rt, seg, i, name)) if seg.param_range(i, rt.rank) \
+            tensors[key] = _sharded(rt, seg, i, _state_local(rt, seg, i, name)) if seg.param_range(i, seg.rank) \
                 else _sharded(rt, seg, i, torch.empty(0))
             entry[name] = TensorRef(key)
         state[fqn] = entry
@@ -178,7 +174,7 @@ def load_optimizer(rt: Any, saved: dict[str, Any] | None, reader: Any, load_stat
     missing = []
     for (seg, _g, start, end, view) in opt.runs:
         st = opt.inner.state[view]
-        first = next((rt.names[id(seg.params[i])] for i, s0 in _run_params(seg, rt.rank, start, end)), None)
+        first = next((rt.names[id(seg.params[i])] for i, s0 in _run_params(seg, seg.rank, start, end)), None)
         tree = saved["state"].get(first, {}) if first else {}
         for name, value in tree.items():
             if isinstance(value, TensorRef):
@@ -196,7 +192,7 @@ def load_optimizer(rt: Any, saved: dict[str, Any] | None, reader: Any, load_stat
         for name, value in tree.items():
             if not isinstance(value, TensorRef):
                 continue
-            if seg.param_range(i, rt.rank) is None:
+            if seg.param_range(i, seg.rank) is None:
                 local: Any = torch.empty(0)
             else:
                 local = _state_local(rt, seg, i, name)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 @dataclass(eq=False)
@@ -26,7 +28,9 @@ class Segment:
     """Parameters flattened into one padded buffer, one equal slice per rank.
 
     ``offsets[i]`` is where ``params[i]`` starts in the flat buffer; ``groups[i]`` is its
-    optimizer param group (``None``: not optimized); ``names[i]`` its FQN.
+    optimizer param group (``None``: not optimized); ``names[i]`` its FQN. ``group`` is the process group
+    the segment is split over (``world`` ranks, this one at ``rank``): the data-parallel group, or the
+    :class:`~microspeed.builtin.data_parallel.ReplicaGroup` of parameters held by only some ranks.
     """
 
     index: int
@@ -39,6 +43,7 @@ class Segment:
     numel: int = 0
     shard_size: int = 0
     persistent: bool = False
+    group: Any = None
 
     def __post_init__(self) -> None:
         self.shapes = [tuple(p.ds_shape) if getattr(p, "ds_shape", None) is not None else tuple(p.shape)
@@ -57,6 +62,10 @@ class Segment:
     def padded(self) -> int:
         """Elements of the flat buffer: ``shard_size * world``."""
         return self.shard_size * self.world
+
+    def global_rank(self, q: int) -> int:
+        """The global rank of position ``q`` in the segment's group."""
+        return dist.get_global_rank(self.group, q) if self.group is not None else q
 
     def slice_of(self, rank: int) -> tuple[int, int]:
         """Flat range ``[start, end)`` rank ``rank`` owns (may reach into the padding)."""
@@ -104,11 +113,11 @@ class Segment:
 
 
 def cut_segments(params: Iterable[tuple[str, torch.nn.Parameter, int | None]], world: int, rank: int,
-                 max_numel: int, start_index: int = 0) -> list[Segment]:
+                 max_numel: int, start_index: int = 0, group: Any = None) -> list[Segment]:
     """Cut ``(name, param, group)`` triples, in order, into segments of at most ``max_numel`` elements.
 
     A segment holds one dtype and whole parameters (a parameter larger than ``max_numel`` gets
-    its own segment).
+    its own segment). ``group`` is the process group of ``world`` ranks the segments are split over.
     """
     segments: list[Segment] = []
     batch: list[tuple[str, torch.nn.Parameter, int | None]] = []
@@ -118,7 +127,7 @@ def cut_segments(params: Iterable[tuple[str, torch.nn.Parameter, int | None]], w
         nonlocal batch, size
         if batch:
             segments.append(Segment(start_index + len(segments), [p for _, p, _ in batch], [n for n, _, _ in batch],
-                                    [g for _, _, g in batch], world, rank))
+                                    [g for _, _, g in batch], world, rank, group=group))
         batch, size = [], 0
 
     for name, p, g in params:

@@ -59,15 +59,18 @@ class BufferPool:
 class GradientReducer:
     """Reduces segment gradients into each rank's partition; see the module docstring."""
 
-    def __init__(self, segments: list[Segment], stage: int, group: Any, scaling: Scaling,
+    def __init__(self, segments: list[Segment], stage: int, scaling: Scaling,
                  accumulators: dict[int, torch.Tensor], wire_dtype: torch.dtype | None, reduce_scatter: bool,
                  contiguous: bool) -> None:
-        self.segments, self.stage, self.group, self.scaling = segments, stage, group, scaling
+        self.segments, self.stage, self.scaling = segments, stage, scaling
         self.acc = accumulators  # segment index -> stage 1: whole flat gradient; stage 2/3: this rank's slice
         self.wire_dtype = wire_dtype
         self.contiguous = contiguous
-        self.world, self.rank = segments[0].world if segments else 1, segments[0].rank if segments else 0
-        self.collective = PartitionedReduce(group, self.world, self.rank, reduce_scatter)
+        # one collective per group the segments are split over (the data-parallel group, replica groups)
+        self.collectives: dict[int, PartitionedReduce] = {}
+        for seg in segments:
+            if id(seg.group) not in self.collectives:
+                self.collectives[id(seg.group)] = PartitionedReduce(seg.group, seg.world, seg.rank, reduce_scatter)
         self.pool = BufferPool()
         self.ready: dict[int, int] = {}
         self.launched: set[int] = set()
@@ -102,14 +105,15 @@ class GradientReducer:
             wire, pooled = self._stage(seg)
         if self.scaling.pre != 1.0:
             wire.mul_(self.scaling.pre)
-        out = self.pool.get(wire.numel(), wire.dtype, wire.device) if self.collective.needs_out else None
-        work = self.collective.start(wire, out)
+        collective = self.collectives[id(seg.group)]
+        out = self.pool.get(wire.numel(), wire.dtype, wire.device) if collective.needs_out else None
+        work = collective.start(wire, out)
         self.pending.append((seg, (wire, out, pooled), work))
 
     def _stage(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor | None]:
         params = seg.params
         dtype = self.wire_dtype or seg.dtype
-        if (not self.contiguous and not self.collective.needs_out and len(params) == 1
+        if (not self.contiguous and not self.collectives[id(seg.group)].needs_out and len(params) == 1
                 and params[0].grad is not None and params[0].grad.dtype == dtype):
             grad = params[0].grad  # reduce the gradient itself, no staging copy
             params[0].grad = None
@@ -132,15 +136,16 @@ class GradientReducer:
         wire, out, pooled = bufs
         acc = self.acc[seg.index]
         post = self.scaling.post
-        if self.stage == 1 and not self.collective.needs_out:  # whole bucket all-reduced in place
+        collective = self.collectives[id(seg.group)]
+        if self.stage == 1 and not collective.needs_out:  # whole bucket all-reduced in place
             if post != 1.0:
                 wire.mul_(post)
             if wire is not acc:
                 acc.copy_(wire)
         else:
-            rows = self.collective.rows(wire, out, seg.shard_size)
+            rows = collective.rows(wire, out, seg.shard_size)
             if self.stage == 1:
-                start, _ = seg.slice_of(self.rank)
+                start, _ = seg.slice_of(seg.rank)
                 target = acc[start:start + seg.shard_size]
                 target.copy_(rows[0])
                 for row in rows[1:]:

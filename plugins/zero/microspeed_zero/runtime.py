@@ -59,6 +59,8 @@ class ZeroRuntime:
         self.wire_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(wire)
         self.swapper: Any = None
         self.optimized: list[Segment] = []
+        #: Parameters held by only some data-parallel ranks (``ReplicaGroup``) are partitioned over their group.
+        self.supports_replica_groups = cfg.stage < 3
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -103,7 +105,7 @@ class ZeroRuntime:
             order = [(self.names[id(p)], p, group_of[id(p)]) for p in reversed(list(model.parameters()))
                      if id(p) in group_of and p.requires_grad]
             cap = self.cfg.reduce_bucket_size if self.cfg.contiguous_gradients else 1
-            self.segments = cut_segments(order, self.world, self.rank, cap)
+            self.segments = self._cut(order, cap)
             self._flatten_parameters()
         else:
             for seg in self.segments:
@@ -111,7 +113,7 @@ class ZeroRuntime:
         self._make_accumulators()
         self._make_masters()
         self.optimized = [seg for seg in self.segments if seg.index in self.masters]
-        self.reducer = GradientReducer(self.segments, 1 if self.stage == 1 else 2, self.group, self.scaling,
+        self.reducer = GradientReducer(self.segments, 1 if self.stage == 1 else 2, self.scaling,
                                        self.acc, self.wire_dtype, self.cfg.reduce_scatter,
                                        self.cfg.contiguous_gradients)
         if self.stage3 is not None:
@@ -120,16 +122,30 @@ class ZeroRuntime:
         optimizer.state.clear()
         return self.optimizer
 
+    def _cut(self, order: list[tuple[str, torch.nn.Parameter, int]], cap: int) -> list[Segment]:
+        """Stages 1, 2: segments over the data-parallel group, then over each replica group (see ``ReplicaGroup``)."""
+        from microspeed.builtin.data_parallel import replica_group
+
+        by_group: dict[Any, list[tuple[str, torch.nn.Parameter, int]]] = {None: []}
+        for item in order:
+            by_group.setdefault(replica_group(item[1]), []).append(item)
+        segments: list[Segment] = []
+        for rg, members in by_group.items():
+            world, rank, group = (self.world, self.rank, self.group) if rg is None else (rg.size, rg.rank, rg.group)
+            segments += cut_segments(members, world, rank, cap, start_index=len(segments), group=group)
+        return segments
+
     def _flatten_parameters(self) -> None:
-        """Stages 1, 2: each segment's parameters become views of one flat buffer, broadcast from rank 0."""
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        """Stages 1, 2: each segment's parameters become views of one flat buffer, broadcast from its group's
+        first rank."""
         for seg in self.segments:
             flat = torch.zeros(seg.padded, dtype=seg.dtype, device=seg.params[0].device)
             for p, view in zip(seg.params, seg.views(flat), strict=True):
                 view.copy_(p.detach())
                 p.data = view
-            comm.broadcast(flat, src=src, group=self.group)
+            comm.broadcast(flat, src=seg.global_rank(0), group=seg.group)
             self.flats[seg.index] = flat
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         with torch.no_grad():
             for b in self.engine.module.buffers():
                 comm.broadcast(b.data, src=src, group=self.group)
@@ -164,14 +180,14 @@ class ZeroRuntime:
         """This rank's slice of ``seg``'s parameters (a view: stages 1–2 of the flat buffer, stage 3 the shard)."""
         if self.stage3 is not None:
             return self.stage3.local_shard(seg.index)
-        start, end = seg.slice_of(self.rank)
+        start, end = seg.slice_of(seg.rank)
         return self.flats[seg.index][start:end]
 
     def local_grads(self, seg: Segment) -> torch.Tensor:
         """This rank's reduced gradient slice of ``seg``."""
         acc = self.acc[seg.index]
         if self.stage == 1:
-            start, end = seg.slice_of(self.rank)
+            start, end = seg.slice_of(seg.rank)
             return acc[start:end]
         return acc
 
@@ -342,10 +358,10 @@ class ZeroRuntime:
         """Stages 1, 2: gather every rank's updated slice into the flat buffer (asynchronously), in chunks
         of at most ``allgather_bucket_size`` elements over all ranks."""
         flat = self.flats[seg.index]
-        S, r = seg.shard_size, self.rank
-        per = max(1, self.cfg.allgather_bucket_size // self.world)
+        S, r = seg.shard_size, seg.rank
+        per = max(1, self.cfg.allgather_bucket_size // seg.world)
         mine = flat[r * S:(r + 1) * S]
-        works = [gather_slices(flat, mine, r, self.world, self.group, True, c0, min(S, c0 + per))
+        works = [gather_slices(flat, mine, r, seg.world, seg.group, True, c0, min(S, c0 + per))
                  for c0 in range(0, S, per)]
         self.gathers[seg.index] = [w for w in works if w is not None]
 
@@ -389,7 +405,7 @@ class ZeroRuntime:
         for i in indices:
             seg = self.segments[i]
             if modified:
-                start, end = seg.slice_of(self.rank)
+                start, end = seg.slice_of(seg.rank)
                 flat = self.stage3.flats[i] if self.stage3 is not None else self.flats[i]
                 local = self.local_params(seg)
                 with torch.no_grad():
@@ -413,8 +429,8 @@ class ZeroRuntime:
             local = torch.zeros(S)
         piece = torch.zeros(S, dtype=local.dtype, device=local.device)
         piece[:min(S, local.numel())] = local.reshape(-1)[:S]
-        full = torch.empty(S * self.world, dtype=local.dtype, device=local.device)
-        comm.all_gather_into_tensor(full, piece, group=self.group)
+        full = torch.empty(S * seg.world, dtype=local.dtype, device=local.device)
+        comm.all_gather_into_tensor(full, piece, group=seg.group)
         off = seg.offsets[i]
         return full[off:off + seg.numels[i]].view(seg.shapes[i]).clone()
 

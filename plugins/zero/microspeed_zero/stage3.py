@@ -98,7 +98,7 @@ class ParameterPartitioner:
                 if not params:
                     continue
                 seg = Segment(len(self.segments), params, [names.get(id(p), "?") for p in params],
-                              [None] * len(params), self.world, self.rank)
+                              [None] * len(params), self.world, self.rank, group=self.group)
                 seg.persistent = persistent
                 self.segments.append(seg)
                 flat = torch.zeros(seg.padded, dtype=seg.dtype, device=self.device)
