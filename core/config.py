@@ -29,7 +29,6 @@ PLUGIN_SECTIONS: dict[str, str] = {
     "pipeline": "microspeed-pipeline",
     "activation_checkpointing": "microspeed-pipeline",
     "sparse_attention": "microspeed-sparse-attn",
-    "moe": "microspeed-moe",
     "curriculum_learning": "microspeed-efficiency",
     "data_efficiency": "microspeed-efficiency",
     "progressive_layer_drop": "microspeed-efficiency",

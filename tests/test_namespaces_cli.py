@@ -19,7 +19,7 @@ from microspeed.testing import free_port
 
 MISSING = [  # (how DeepSpeed scripts reach it, module to import, name imported from it, distribution)
     ("fakeplugin", "microspeed.fakeplugin.layer", "Thing", "microspeed-fakeplugin"),
-    ("ops.sparse_attention", "microspeed.ops.sparse_attention", "SparseSelfAttention", "microspeed-sparse-attn"),
+    ("ops.fakekernels", "microspeed.ops.fakekernels", "Kernel", "microspeed-fakekernels"),  # a nested alias
 ]
 
 
@@ -38,6 +38,7 @@ def no_fake_modules(monkeypatch):
     from microspeed import namespaces
 
     monkeypatch.setitem(namespaces.ALIASES, FAKE[0], (FAKE[1], FAKE[2]))
+    monkeypatch.setitem(namespaces.ALIASES, "ops.fakekernels", ("microspeed_fakekernels", "microspeed-fakekernels"))
 
     def clear():
         for name in _plugin_modules():

@@ -96,9 +96,17 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention using :func:`torch.nn.functional.scaled_dot_product_attention`.
 
+    It declares itself *replaceable*: a plugin may set :attr:`attention_fn` to compute the attention
+    of ``(B, n_head, T, head_dim)`` queries, keys and values instead of SDPA (the ``sparse_attention``
+    config section does, with block-sparse attention). The protocol is the attributes ``attention_fn``,
+    ``n_head``, ``is_causal``, ``max_seq_len`` and ``dropout``; any module may carry them.
+
     Attributes:
         n_head: number of heads.
         d_model: input/output width.
+        attention_fn: ``None`` (SDPA) or a callable ``(q, k, v) -> y`` that replaces the attention.
+        is_causal: whether each position attends only to itself and earlier ones (always here).
+        max_seq_len: the longest sequence the model is built for.
         qkv: fused query/key/value projection ``d_model -> 3 * d_model``.
         proj: output projection ``d_model -> d_model`` (a residual projection: its
             initialisation is scaled by ``1/sqrt(2 * n_layer)``).
@@ -109,6 +117,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.d_model = config.d_model
         self.dropout = config.dropout
+        self.attention_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.is_causal = True
+        self.max_seq_len = config.seq_len
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
         self.proj.is_residual_projection = True
@@ -122,9 +133,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        if self.attention_fn is not None:
+            y = self.attention_fn(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
 

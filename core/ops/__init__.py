@@ -1,4 +1,4 @@
-"""``microspeed.ops``: DeepSpeed's ops namespace (``ops.sparse_attention`` is a plugin's)."""
+"""``microspeed.ops``: DeepSpeed's ops namespace; its entries (``ops.sparse_attention``) are plugins' aliases."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    if name == "sparse_attention":
+    from microspeed import namespaces
+
+    if f"ops.{name}" in namespaces.ALIASES:
         import importlib
 
-        return importlib.import_module("microspeed.ops.sparse_attention")
+        return importlib.import_module(f"microspeed.ops.{name}")
     raise AttributeError(f"module 'microspeed.ops' has no attribute {name!r}")
