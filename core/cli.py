@@ -91,6 +91,7 @@ COMMANDS = {
     "checkpoint": "microspeed.checkpoint_cli:main",
     "trace": "microspeed.trace_cli:main",
     "plot": "microspeed.plot:main",
+    "lr-find": "microspeed.lr_find:main",
 }
 """Sub-commands: name -> function taking the remaining arguments and returning an exit code.
 
@@ -135,7 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "  config-keys  print the ds_config keys the installed plugins accept (Markdown)\n"
               "  checkpoint   consolidate / import-deepspeed checkpoints\n"
               "  trace        summary / export of hook-level traces\n"
-              "  plot         draw loss and lr curves from a csv_monitor folder" + extra)
+              "  plot         draw loss and lr curves from a csv_monitor folder\n"
+              "  lr-find      LR range test on a training script: loss-vs-lr plot and a suggested lr" + extra)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return _command(argv[0])(argv[1:])
 

@@ -25,6 +25,7 @@ ALIASES: dict[str, tuple[str, str]] = {
     "checkpointing": ("microspeed_pipeline.checkpointing", "microspeed-pipeline"),
     "moe": ("microspeed_moe", "microspeed-moe"),
     "ops.sparse_attention": ("microspeed_sparse_attn", "microspeed-sparse-attn"),
+    "profiling.flops_profiler": ("microspeed_efficiency.flops_profiler", "microspeed-efficiency"),
 }
 
 
