@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -236,5 +236,5 @@ def moe_gpt(config: GPTConfig | None = None, num_experts: int = 4, k: int = 1, e
     if unknown:
         raise TypeError(f"moe_gpt(): unknown MoE option(s) {sorted(unknown)}; "
                         f"expected fields of MoEGPTConfig: {sorted(MoEGPTConfig.__dataclass_fields__)}")
-    moe = replace(MoEGPTConfig(), num_experts=num_experts, k=k, ep_size=ep_size, every=every, **moe_kwargs)
+    moe = MoEGPTConfig(num_experts=num_experts, k=k, ep_size=ep_size, every=every, **moe_kwargs)
     return MoEGPT(config, moe, attention)

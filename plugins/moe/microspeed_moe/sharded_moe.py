@@ -48,7 +48,7 @@ def dense(routing: Routing, num_experts: int) -> tuple[torch.Tensor, torch.Tenso
     token = torch.arange(num_tokens, device=routing.experts.device).unsqueeze(1).expand(num_tokens, k)
     flat = (token * num_experts + routing.experts) * cap + routing.slots
     flat = torch.where(routing.kept, flat, torch.full_like(flat, size))  # dropped choices land on a scratch cell
-    combine = routing.weights.new_zeros(size + 1).index_add(0, flat.reshape(-1), routing.weights.reshape(-1))
+    combine = routing.weights.new_zeros(size + 1).index_add_(0, flat.reshape(-1), routing.weights.reshape(-1))
     combine_weights = combine[:size].view(num_tokens, num_experts, cap)
     return combine_weights, combine_weights.bool()
 
