@@ -196,3 +196,20 @@ def test_stdlib_corpus_deterministic() -> None:
     assert b"def " in text and b"import " in text
     c = stdlib_corpus(max_bytes=1000, seed=None)
     assert c.numel() == 1000 and torch.equal(c, stdlib_corpus(max_bytes=1000, seed=None))
+
+
+def test_fused_kernels_are_used_when_a_gpu_is_present(monkeypatch):
+    """With a GPU the demo model builds FusedLayerNorm and fused bias+GELU; same parameters, same results."""
+    from microspeed.demo import model as demo
+    from microspeed.ops.fused_layernorm import FusedLayerNorm
+
+    torch.manual_seed(0)
+    plain = demo.GPT(demo.GPTConfig.tiny())
+    monkeypatch.setattr(demo, "fused_kernels_wanted", lambda: True)
+    monkeypatch.setenv("MICROSPEED_OPS_BACKEND", "torch")  # this machine has no GPU: the kernels' PyTorch path
+    torch.manual_seed(0)
+    fused = demo.GPT(demo.GPTConfig.tiny())
+    assert isinstance(fused.ln_f, FusedLayerNorm) and all(b.mlp.fused for b in fused.blocks)
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    x = torch.randint(0, 256, (2, 17))
+    torch.testing.assert_close(fused(x[:, :-1], x[:, 1:]), plain(x[:, :-1], x[:, 1:]), rtol=1e-6, atol=1e-6)

@@ -11,7 +11,11 @@ mixed precision, ...) can be exercised on it without surprises:
 * the LM head shares its weight with the token embedding (``tie_weights=True``);
 * :meth:`GPT.forward` accepts either ``(idx, targets)`` or the ``(x, y)`` pair yielded by a
   :class:`torch.utils.data.DataLoader` over :class:`microspeed.demo.data.ByteSequenceDataset`,
-  so ``loss = engine(batch)`` works directly.
+  so ``loss = engine(batch)`` works directly;
+* it also takes DeepSpeed's progressive-layer-drop keywords (``progressive_layer_drop=True,
+  pld_theta=θ``, passed by the ``progressive_layer_drop`` plugin): in training, block ``i`` of
+  ``L`` then runs with probability ``keep_i = 1 - (i + 1) / L * (1 - θ)`` (see
+  :meth:`GPT.pld_keep_probs`); off by default, and every block always runs in eval.
 
 Example::
 
@@ -143,6 +147,21 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.proj(y))
 
 
+def fused_kernels_wanted() -> bool:
+    """Whether new demo models use microspeed's fused Triton kernels: when a GPU is present."""
+    return torch.cuda.is_available()
+
+
+def layer_norm(d_model: int) -> nn.LayerNorm:
+    """``nn.LayerNorm(d_model)``, or :class:`microspeed.ops.fused_layernorm.FusedLayerNorm` (a subclass with the
+    same parameters and state dict) when :func:`fused_kernels_wanted`."""
+    if fused_kernels_wanted():
+        from microspeed.ops.fused_layernorm import FusedLayerNorm
+
+        return FusedLayerNorm(d_model)
+    return nn.LayerNorm(d_model)
+
+
 class MLP(nn.Module):
     """Position-wise feed-forward network: ``Linear(d, 4d) -> GELU -> Linear(4d, d) -> Dropout``."""
 
@@ -150,13 +169,20 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(config.d_model, 4 * config.d_model)
         self.act = nn.GELU()
+        self.fused = fused_kernels_wanted()  # bias + GELU as one Triton kernel on GPU
         self.proj = nn.Linear(4 * config.d_model, config.d_model)
         self.proj.is_residual_projection = True
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to ``x`` of shape ``(..., d_model)``."""
-        return self.dropout(self.proj(self.act(self.fc(x))))
+        if self.fused:
+            from microspeed.ops.fused_bias_gelu import fused_bias_gelu
+
+            hidden = fused_bias_gelu(F.linear(x, self.fc.weight), self.fc.bias)
+        else:
+            hidden = self.act(self.fc(x))
+        return self.dropout(self.proj(hidden))
 
 
 class Block(nn.Module):
@@ -169,16 +195,25 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig, attention: AttentionFactory | None = None) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.ln_1 = layer_norm(config.d_model)
         self.attn = (attention or CausalSelfAttention)(config)
-        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.ln_2 = layer_norm(config.d_model)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Transform the residual stream ``x`` of shape ``(B, T, d_model)``."""
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+    def forward(self, x: torch.Tensor, keep_prob: float = 1.0) -> torch.Tensor:
+        """Transform the residual stream ``x`` of shape ``(B, T, d_model)``.
+
+        Args:
+            x: the residual stream.
+            keep_prob: the probability with which progressive layer drop ran this block; both residual
+                branches are divided by it (stochastic depth's rescaling, so that the expected update
+                equals the full model's). ``1.0`` (the default) leaves the block unchanged.
+        """
+        if keep_prob == 1.0:
+            x = x + self.attn(self.ln_1(x))
+            return x + self.mlp(self.ln_2(x))
+        x = x + self.attn(self.ln_1(x)) / keep_prob
+        return x + self.mlp(self.ln_2(x)) / keep_prob
 
 
 class GPT(nn.Module):
@@ -206,7 +241,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList([Block(config, attention) for _ in range(config.n_layer)])
-        self.ln_f = nn.LayerNorm(config.d_model)
+        self.ln_f = layer_norm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
@@ -246,10 +281,27 @@ class GPT(nn.Module):
                 n -= self.tok_emb.weight.numel()
         return n
 
+    def pld_keep_probs(self, theta: float) -> list[float]:
+        """Progressive layer drop's per-block keep probabilities for the global keep ratio ``theta``.
+
+        Block ``i`` (0-based) of ``L`` runs with probability ``keep_i = 1 - (i + 1) / L * (1 - theta)``
+        (the per-layer rule of DeepSpeed's PLD BERT): the first block is dropped least, the last one
+        with probability ``1 - theta``. ``theta = 1`` keeps every block.
+
+        Raises:
+            ValueError: ``theta`` is not a number in ``[0, 1]``.
+        """
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0.0 <= theta <= 1.0:
+            raise ValueError(f"GPT.forward: pld_theta must be a number in [0, 1], got {theta!r}")
+        n = len(self.blocks)
+        return [1.0 - (i + 1) / n * (1.0 - float(theta)) for i in range(n)]
+
     def forward(
         self,
         idx: torch.Tensor | Sequence[torch.Tensor],
         targets: torch.Tensor | None = None,
+        progressive_layer_drop: bool = False,
+        pld_theta: float = 1.0,
     ) -> torch.Tensor:
         """Run the model.
 
@@ -259,6 +311,13 @@ class GPT(nn.Module):
                 DataLoader over :class:`~microspeed.demo.data.ByteSequenceDataset` yields - in
                 which case ``targets`` must not be passed separately.
             targets: next-token ids of shape ``(B, T)``; entries equal to -100 are ignored.
+            progressive_layer_drop: in training mode, skip blocks at random as progressive layer
+                drop does: block ``i`` runs with probability ``keep_i`` of :meth:`pld_keep_probs`
+                (one uniform draw per block from torch's global CPU generator) and, when it runs,
+                its residual branches are divided by ``keep_i``. In eval mode every block runs
+                unscaled. ``False`` (the default) runs the plain model.
+            pld_theta: the current global keep ratio θ in ``[0, 1]`` (used only with
+                ``progressive_layer_drop=True``).
 
         Returns:
             With targets: the mean cross-entropy loss, a 0-dim tensor. It is computed in
@@ -281,8 +340,15 @@ class GPT(nn.Module):
         idx = idx.long()
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        if progressive_layer_drop and self.training:
+            keep = self.pld_keep_probs(pld_theta)
+            draws = torch.rand(len(keep)).tolist()
+            for block, p, u in zip(self.blocks, keep, draws, strict=True):
+                if u < p:
+                    x = block(x, keep_prob=p)
+        else:
+            for block in self.blocks:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits
