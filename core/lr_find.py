@@ -484,11 +484,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result, notes = run(opts.script, opts.script_args, config=opts.config, min_lr=opts.min_lr, max_lr=opts.max_lr,
                         steps=opts.steps, schedule=opts.schedule, beta=opts.smoothing, diverge=opts.diverge)
-    if comm.get_rank() != 0:
-        return 0
-    out = plot(result, opts.out, title=f"LR range test: {os.path.basename(opts.script)}")
-    print(report(result, opts.min_lr, opts.max_lr, opts.steps, opts.schedule, notes, out))
+    if comm.get_rank() == 0:
+        out = plot(result, opts.out, title=f"LR range test: {os.path.basename(opts.script)}")
+        print(report(result, opts.min_lr, opts.max_lr, opts.steps, opts.schedule, notes, out))
+    _finish_distributed()
     return 0
+
+
+def _finish_distributed() -> None:
+    """Under torchrun: wait for rank 0's plot, then close the process group on every rank together (a rank that
+    exits with gloo's threads still running can abort with "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def report(result: LRFindResult, min_lr: float, max_lr: float, steps: int, schedule: str,
