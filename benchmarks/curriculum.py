@@ -18,9 +18,17 @@ batches:
 
 * *baseline*: every step sees whole 128-token sequences;
 * *curriculum*: ``"curriculum_learning": {"enabled": true, "curriculum_type": "seqlen", "min_difficulty": 16,
-  "max_difficulty": 128, "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step":
-  frac * steps, "difficulty_step": 8}}`` — the plugin cuts each batch to the scheduled length (the demo GPT has
-  no ``curriculum_seqlen`` argument).
+  "max_difficulty": 128, "schedule_type": "fixed_root", "schedule_config": {"total_curriculum_step":
+  frac * steps, "difficulty_step": 8, "root_degree": 2}}`` (``--schedule``, ``--frac``, ``--min-len``,
+  ``--root-degree``) — the plugin cuts each batch to the scheduled length (the demo GPT has no
+  ``curriculum_seqlen`` argument).
+
+The default schedule (``fixed_root``, square root, over the first 15 % of the steps) is the one that came
+closest to the baseline in the stable regime: it reaches long sequences soon, so the position embeddings past
+the current length go untrained only briefly (``fixed_linear`` over 30 %: 1.17x the baseline's tokens; this:
+1.02x, medians of 3 seeds; see BENCHMARKS.md for every configuration tried). ``--baseline-lr`` lets the baseline
+run at another learning rate (e.g. the best stable one) than the curriculum run; ``--warmup`` and ``--clip`` set
+WarmupLR's steps and gradient clipping for both.
 
 Every ``--eval-every`` steps both are evaluated on the same held-out batches at the full length 128 (the loss
 that matters: a short-context loss is not comparable). The *smoothed* loss is the mean of the last
@@ -28,7 +36,9 @@ that matters: a short-context loss is not comparable). The *smoothed* loss is th
 whose smoothed loss is at or below it gives the *steps* and *tokens* (sum of batch x sequence length actually
 trained on) to the target. The curriculum run trains ``--steps`` steps and, if it has not reached the target by
 then, on up to ``--max-extra`` times as many. Printed per seed and as medians: final smoothed losses at
-``--steps``, steps and tokens to the target, and the ratios curriculum / baseline (target: tokens ratio < 1).
+``--steps``, steps and tokens to the target, the ratios curriculum / baseline (target: tokens ratio < 1), and
+the curriculum's smoothed loss at the first evaluation after as many tokens as the whole baseline run
+(``curriculum_at_equal_tokens``; ``None`` when the curriculum run stopped earlier, having reached the target).
 """
 
 from __future__ import annotations
@@ -84,20 +94,24 @@ def train(args, cfg: GPTConfig, batches: list, val_batches: list, seed: int, cur
     """One run; returns its evaluation curve, tokens per step and wall time."""
     torch.manual_seed(seed)
     model = GPT(cfg)
+    lr = args.lr if curriculum else args.baseline_lr
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
-        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": args.lr,
-                                                     "warmup_num_steps": 20, "warmup_type": "linear"}},
-        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": lr,
+                                                     "warmup_num_steps": args.warmup, "warmup_type": "linear"}},
         "steps_per_print": 10**9,
     }
+    if args.clip > 0:
+        config["gradient_clipping"] = args.clip
     total = max(int(args.frac * args.steps), 1)
     if curriculum:
+        schedule = {"total_curriculum_step": total, "difficulty_step": 8}
+        if args.schedule == "fixed_root":
+            schedule["root_degree"] = args.root_degree
         config["curriculum_learning"] = {
-            "enabled": True, "curriculum_type": "seqlen", "min_difficulty": 16, "max_difficulty": SEQ,
-            "schedule_type": "fixed_linear",
-            "schedule_config": {"total_curriculum_step": total, "difficulty_step": 8}}
+            "enabled": True, "curriculum_type": "seqlen", "min_difficulty": args.min_len, "max_difficulty": SEQ,
+            "schedule_type": args.schedule, "schedule_config": schedule}
     engine, *_ = microspeed.initialize(model=model, config=config, plugins=[("curriculum", CurriculumPlugin)])
     lengths: list[int] = []
     model.register_forward_pre_hook(lambda m, a: lengths.append(a[0].shape[1]) if m.training else None)
@@ -143,6 +157,12 @@ def at_step(evals: list[tuple[int, int, float]], window: int, step: int) -> floa
     return next(v for (s, _, _), v in zip(evals, values, strict=True) if s == step)
 
 
+def at_tokens(evals: list[tuple[int, int, float]], window: int, tokens: int) -> float | None:
+    """The smoothed loss at the first evaluation after at least ``tokens`` trained tokens (``None`` if never)."""
+    values = smoothed(evals, window)
+    return next((v for (_, t, _), v in zip(evals, values, strict=True) if t >= tokens), None)
+
+
 def one_seed(args, seed: int) -> dict:
     """Baseline and curriculum for one seed."""
     cfg = model_config(args.model)
@@ -158,11 +178,17 @@ def one_seed(args, seed: int) -> dict:
            "curriculum_steps": c_steps, "curriculum_tokens": c_tokens,
            "tokens_ratio": c_tokens / b_tokens if c_tokens else None,
            "steps_ratio": c_steps / b_steps if c_steps else None,
+           "baseline_tokens_total": base["evals"][-1][1],
+           "curriculum_at_equal_tokens": at_tokens(cur["evals"], args.window, base["evals"][-1][1]),
+           "baseline_max_eval": max(e[2] for e in base["evals"]),
+           "curriculum_max_eval_after_first": max(e[2] for e in cur["evals"][1:]) if len(cur["evals"]) > 1 else None,
            "baseline_seconds": base["seconds"], "curriculum_seconds": cur["seconds"],
            "curriculum_lengths_sampled": cur["lengths"],
            "baseline_curve": base["evals"], "curriculum_curve": cur["evals"]}
     print(f"seed {seed}: target (baseline final smoothed eval loss) {target:.4f}; curriculum at step {args.steps}: "
           f"{row['curriculum_final']:.4f}")
+    print(f"  at equal tokens ({row['baseline_tokens_total']}): baseline {target:.4f}, curriculum "
+          f"{row['curriculum_at_equal_tokens']}")
     print(f"  baseline   reaches it at step {b_steps} after {b_tokens} tokens ({base['seconds']:.0f} s)")
     if c_steps is None:
         limit = int(args.steps * args.max_extra)
@@ -178,8 +204,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="baseline optimizer steps")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--frac", type=float, default=0.3, help="total_curriculum_step as a fraction of --steps")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the curriculum run")
+    parser.add_argument("--baseline-lr", type=float, default=None, help="peak learning rate of the baseline "
+                        "(default: --lr; set it to compare against the best stable baseline)")
+    parser.add_argument("--warmup", type=int, default=20, help="WarmupLR steps")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
+    parser.add_argument("--schedule", choices=("fixed_linear", "fixed_root"), default="fixed_root")
+    parser.add_argument("--root-degree", type=float, default=2.0, help="fixed_root only")
+    parser.add_argument("--min-len", type=int, default=16, help="min_difficulty (first sequence length)")
+    parser.add_argument("--frac", type=float, default=0.15, help="total_curriculum_step as a fraction of --steps")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--window", type=int, default=3, help="evaluations averaged into the smoothed loss")
@@ -190,12 +223,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="60 steps, 4 validation batches")
     parser.add_argument("--json-out", type=str, default=None)
     args = parser.parse_args(argv)
+    if args.baseline_lr is None:
+        args.baseline_lr = args.lr
     if args.quick:
         args.steps, args.val_batches, args.eval_every = 60, 4, 5
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"curriculum benchmark: model {args.model}, {args.steps} steps x {args.batch} x {SEQ} tokens, lr {args.lr}, "
-          f"curriculum fixed_linear 16 -> {SEQ} over {int(args.frac * args.steps)} steps; torch {torch.__version__}, "
+    print(f"curriculum benchmark: model {args.model}, {args.steps} steps x {args.batch} x {SEQ} tokens, lr {args.lr} "
+          f"(baseline {args.baseline_lr}), warmup {args.warmup}, clip {args.clip}, "
+          f"curriculum {args.schedule} {args.min_len} -> {SEQ} over {int(args.frac * args.steps)} steps; "
+          f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     rows = [one_seed(args, seed) for seed in args.seeds]
 
@@ -205,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     summary = {k: median(k) for k in ("baseline_final", "curriculum_final", "baseline_steps", "baseline_tokens",
                                       "curriculum_steps", "curriculum_tokens", "tokens_ratio", "steps_ratio",
+                                      "curriculum_at_equal_tokens",
                                       "baseline_seconds", "curriculum_seconds")}
     summary["reached"] = sum(r["curriculum_steps"] is not None for r in rows)
     print(f"medians over {len(rows)} seed(s) (curriculum reached the target in {summary['reached']}):")
