@@ -207,8 +207,8 @@ class Engine(torch.nn.Module):
         """Train on one whole batch: ``gradient_accumulation_steps`` micro-batches, then the step.
 
         ``data_iter`` yields micro-batches; ``None`` uses :meth:`set_dataiterator`'s iterator or the
-        engine's training data loader (repeating). Returns the mean loss, as DeepSpeed's pipeline
-        engine does. Who runs the batch is the hook ``microspeed_train_batch``.
+        engine's training data loader (repeating). Returns the mean loss (DeepSpeed's ``train_batch``
+        contract). Who runs the batch is the hook ``microspeed_train_batch``.
         """
         with self._phase("train_batch"):
             return self.hook.microspeed_train_batch(engine=self, data_iter=self._data_iter(data_iter))

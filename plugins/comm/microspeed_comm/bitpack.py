@@ -149,15 +149,6 @@ def _server_combine_args(recv_bits: Any, recv_scales: Any, error: Any, block: An
 # -- dispatch ---------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # an ImportError, or a broken install failing in its own way
-        return False
-    return True
-
-
 def kernel_backend(t: torch.Tensor) -> str:
     """``'triton'`` or ``'torch'``: which implementation compress/decompress/server_combine use for tensors like t.
 
@@ -166,14 +157,9 @@ def kernel_backend(t: torch.Tensor) -> str:
     ``MICROSPEED_COMM_KERNELS=torch`` forces the PyTorch reference. Otherwise (unset, empty or ``auto``)
     the kernels run for CUDA tensors when Triton imports, the reference for everything else.
     """
-    choice = os.environ.get(KERNELS_ENV, "").strip().lower()
-    if choice in ("triton", "torch"):
-        return choice
-    if choice not in ("", "auto"):
-        raise ValueError(f"{KERNELS_ENV}={os.environ[KERNELS_ENV]!r}: expected 'triton', 'torch' or 'auto'")
-    if isinstance(t, torch.Tensor) and t.is_cuda and torch.cuda.is_available() and _triton_importable():
-        return "triton"
-    return "torch"
+    from microspeed.ops.backend import kernel_backend as choose
+
+    return choose(t, KERNELS_ENV)
 
 
 def _kernels() -> Any:

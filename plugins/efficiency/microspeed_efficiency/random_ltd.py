@@ -148,11 +148,11 @@ def kernel_backend(t: torch.Tensor) -> str:
     for CUDA tensors, and for CPU tensors when the kernels were imported under the interpreter; the references
     run everywhere else (and whenever Triton does not import).
     """
-    choice = os.environ.get(KERNELS_ENV, "").strip().lower()
-    if choice in ("triton", "torch"):
+    from microspeed.ops.backend import env_choice
+
+    choice = env_choice(KERNELS_ENV)
+    if choice != "auto":
         return choice
-    if choice not in ("", "auto"):
-        raise ValueError(f"{KERNELS_ENV}={os.environ[KERNELS_ENV]!r}: expected 'triton', 'torch' or 'auto'")
     if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         try:
             kernels = _kernels()

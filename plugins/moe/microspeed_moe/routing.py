@@ -52,7 +52,6 @@ expert and any weight (NaN included): both are ignored. Not twice differentiable
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
@@ -137,16 +136,6 @@ def _check_weights(weights: Any, flat: torch.Tensor) -> torch.Tensor:
 # -- backend choice ------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    """Whether ``import triton`` works here (checked once)."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # an ImportError, or a broken install failing in its own way
-        return False
-    return True
-
-
 def kernel_backend(t: torch.Tensor) -> str:
     """``'triton'`` or ``'torch'``: which implementation :func:`dispatch` and :func:`combine` use for tensors like t.
 
@@ -155,14 +144,9 @@ def kernel_backend(t: torch.Tensor) -> str:
     ``MICROSPEED_MOE_KERNELS=torch`` forces the PyTorch index path. Otherwise (unset, empty or ``auto``)
     the kernels run for CUDA tensors when Triton imports, the index path for everything else.
     """
-    choice = os.environ.get(KERNELS_ENV, "").strip().lower()
-    if choice in ("triton", "torch"):
-        return choice
-    if choice not in ("", "auto"):
-        raise ValueError(f"{KERNELS_ENV}={os.environ[KERNELS_ENV]!r}: expected 'triton', 'torch' or 'auto'")
-    if isinstance(t, torch.Tensor) and t.is_cuda and torch.cuda.is_available() and _triton_importable():
-        return "triton"
-    return "torch"
+    from microspeed.ops.backend import kernel_backend as choose
+
+    return choose(t, KERNELS_ENV)
 
 
 def _kernels() -> Any:
