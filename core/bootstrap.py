@@ -68,6 +68,7 @@ def initialize(
 
     engine = Engine(pm, cfg, topology, model)
     pm.hook.microspeed_setup(engine=engine)
+    engine.install_api(pm.hook.microspeed_engine_api(engine=engine))
     engine.module = pm.call_chain("microspeed_transform_model", "model", model, engine=engine)
     pm.hook.microspeed_after_model_ready(engine=engine, model=engine.module)
 

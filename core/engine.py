@@ -69,6 +69,7 @@ class Engine(torch.nn.Module):
         self._inside_no_sync = False
         self._params: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None
         self._data_iterator: Any = None
+        self._api: dict[str, Any] = {}
 
     # -- plugin state --------------------------------------------------------------------
 
@@ -295,14 +296,27 @@ class Engine(torch.nn.Module):
         self.training = mode
         return self
 
+    def install_api(self, answers: list[dict[str, Any] | None]) -> None:
+        """Take the plugins' answers to ``microspeed_engine_api`` (earlier answers win)."""
+        for answer in reversed([a for a in answers if a]):
+            self._api.update(answer)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            module = self._modules.get("module")
-            if module is not None and name not in ("module",):
+            pass
+        api = self.__dict__.get("_api", {})
+        if name in api:
+            return api[name]
+        module = self._modules.get("module")
+        if module is not None and name != "module":
+            try:
                 return getattr(module, name)
-            raise
+            except AttributeError:
+                pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (neither the engine, its "
+                             f"plugins nor the wrapped model {type(module).__name__} define it)") from None
 
     # -- checkpoints (the work is in microspeed.checkpoint) ---------------------------------
 

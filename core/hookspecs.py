@@ -142,6 +142,19 @@ def microspeed_after_model_ready(engine: Engine, model: torch.nn.Module) -> None
     """
 
 
+@hookspec
+def microspeed_engine_api(engine: Engine) -> dict[str, Any] | None:
+    """Name the DeepSpeed engine methods and attributes this plugin answers for ``engine``.
+
+    Collected once, right after :func:`microspeed_setup`. Returns ``{name: value}``: a callable
+    becomes a method of the engine (``engine.zero_optimization_stage()``), anything else an
+    attribute. Clients such as Hugging Face Accelerate and Lightning call many such accessors;
+    each plugin answers for what it owns. When two plugins name the same attribute the one
+    called first by pluggy wins (built-in defaults are ``trylast``). Names the engine defines
+    itself are never overridden.
+    """
+
+
 @hookspec(firstresult=True)
 def microspeed_make_optimizer(engine: Engine, params: list[Any], config: Config) -> Any | None:
     """Who builds the optimizer from the ds_config ``optimizer`` section.
