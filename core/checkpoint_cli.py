@@ -1,9 +1,10 @@
-"""``microspeed checkpoint``: ``consolidate``, ``import-deepspeed`` and ``info``.
+"""``microspeed checkpoint``: ``consolidate``, ``import-deepspeed``, ``export-deepspeed`` and ``info``.
 
 ::
 
     microspeed checkpoint consolidate CKPT_DIR OUT [--tag TAG]   # one full fp32 state dict (.pt / .safetensors)
     microspeed checkpoint import-deepspeed DS_DIR OUT_DIR [--tag TAG]
+    microspeed checkpoint export-deepspeed CKPT_DIR DST [--tag TAG] [--zero-stage S] [--world-size N]
     microspeed checkpoint info CKPT_DIR [--tag TAG]              # what a checkpoint holds
 
 None of them needs a process group or the world size the checkpoint was written with.
@@ -33,6 +34,14 @@ def _import_deepspeed(opts: argparse.Namespace) -> int:
 
     report = import_deepspeed(opts.ds_dir, opts.out_dir, tag=opts.tag)
     print(report)
+    return 0
+
+
+def _export_deepspeed(opts: argparse.Namespace) -> int:
+    from microspeed.checkpoint_export import export_deepspeed
+
+    print(export_deepspeed(opts.ckpt_dir, opts.out_dir, tag=opts.tag, zero_stage=opts.zero_stage,
+                           world_size=opts.world_size))
     return 0
 
 
@@ -70,6 +79,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("out_dir", help="save folder to write (the tag is kept; 'latest' is written)")
     p.add_argument("--tag", default=None)
     p.set_defaults(run=_import_deepspeed)
+    p = sub.add_parser("export-deepspeed", help="write a checkpoint in DeepSpeed's layout (ZeRO stage 0-2)")
+    p.add_argument("ckpt_dir", help="a microspeed save folder (uses 'latest' or --tag) or a tag folder")
+    p.add_argument("out_dir", help="DeepSpeed save folder to write (<tag>/ and 'latest')")
+    p.add_argument("--tag", default=None)
+    p.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2),
+                   help="layout to write (default: the run's stage; a stage-3 run is written as stage 2)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ZeRO partitions to write (default: the number of ranks that saved it)")
+    p.set_defaults(run=_export_deepspeed)
     p = sub.add_parser("info", help="print what a checkpoint holds")
     p.add_argument("ckpt_dir")
     p.add_argument("--tag", default=None)

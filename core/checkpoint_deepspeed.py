@@ -278,6 +278,15 @@ def _by_index(opt_sd: dict, names: list[str], module: dict, where: str) -> tuple
     return state, _groups(opt_sd, [[names[i] for i in g["params"]] for g in opt_sd["param_groups"]])
 
 
+def _torch_step(state: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``step`` as ``torch.optim`` keeps it (a float32 scalar tensor); DeepSpeed's CPU Adam saves a Python int."""
+    for st in state.values():
+        step = st.get("step")
+        if step is not None and not isinstance(step, torch.Tensor):
+            st["step"] = torch.tensor(float(step), dtype=torch.float32)
+    return state
+
+
 def _scaler_state(model_states: dict, optim: list[dict], ds_config: dict) -> dict | None:
     fp16 = ds_config.get("fp16") or {}
     if not fp16.get("enabled"):
@@ -353,6 +362,7 @@ def read_deepspeed(ds_dir: str, tag: str | None = None) -> dict[str, Any]:
         masters, state, groups = (_zero3 if stage == 3 else _zero12)(model_states, optim, where)
     else:
         masters, state, groups = _stage0(model_states, names, where)
+    state = _torch_step(state)
 
     if stage == 3:  # parameters are empty placeholders in the module: the fp32 values are the weights
         frozen = model_states.get("frozen_param_shapes") or {}
