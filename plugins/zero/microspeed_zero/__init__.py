@@ -2,7 +2,9 @@
 
 ``import microspeed.zero`` (or ``deepspeed.zero`` under ``import microspeed as deepspeed``)
 resolves to this package: :class:`Init`, :func:`GatheredParameters`, the ``safe_get_full_*``
-functions and :func:`estimate_memory`. The plugin itself is :class:`microspeed_zero.plugin.ZeroPlugin`,
+functions, :func:`estimate_memory`, DeepSpeed's stage-3 helpers :func:`register_external_parameter`,
+:func:`unregister_external_parameter`, the z3 leaf-module functions (``set_z3_leaf_modules`` & co.)
+and :class:`ZeroParamStatus`. The plugin itself is :class:`microspeed_zero.plugin.ZeroPlugin`,
 registered through the ``microspeed.plugins`` entry point ``zero``.
 """
 
@@ -11,6 +13,17 @@ from __future__ import annotations
 from microspeed_zero.api import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from microspeed_zero.estimator import MemoryEstimate, estimate_memory
 from microspeed_zero.init import GatheredParameters, Init
+from microspeed_zero.leaf import (
+    ZeroParamStatus,
+    get_z3_leaf_modules,
+    register_external_parameter,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    unregister_external_parameter,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 __version__ = "0.1.0"
 
@@ -18,11 +31,20 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "MemoryEstimate",
+    "ZeroParamStatus",
     "estimate_memory",
+    "get_z3_leaf_modules",
     "memory_breakdown",
+    "register_external_parameter",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "unregister_external_parameter",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
 ]
 
 

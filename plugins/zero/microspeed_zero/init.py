@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -94,9 +96,34 @@ def partition_param(p: torch.nn.Parameter, group: Any, shard_device: Any = None,
         if end > start:
             shard[:end - start].copy_(flat[start:end])
         p.ds_shape, p.ds_numel = tuple(p.shape), numel
+        folder = getattr(p, "_zero_init_nvme", None)
+        if folder is not None:  # remote_device="nvme": the shard lives in a memory-mapped file
+            shard = _file_backed(shard, folder, p)
         p._zero_init_shard = shard
         p._zero_init_group = group
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+_FILE_COUNTER = itertools.count()
+
+
+def _file_backed(shard: torch.Tensor, folder: str, p: Any) -> torch.Tensor:
+    """A CPU tensor with ``shard``'s values whose storage is a memory-mapped file in ``folder``: the
+    operating system keeps its pages on the NVMe (or any) disk, not in this process's memory."""
+    os.makedirs(folder, exist_ok=True)
+    _remove_file(p)
+    path = os.path.join(folder, f"param{os.getpid()}_{next(_FILE_COUNTER)}.bin")
+    out = torch.from_file(path, shared=True, size=shard.numel(), dtype=shard.dtype)
+    out.copy_(shard)
+    p._zero_init_file = path
+    return out
+
+
+def _remove_file(p: Any) -> None:
+    path = p.__dict__.pop("_zero_init_file", None)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def materialize(params: Iterable[torch.nn.Parameter], group: Any = None) -> None:
@@ -120,6 +147,7 @@ def materialize(params: Iterable[torch.nn.Parameter], group: Any = None) -> None
             comm.all_gather_into_tensor(full, piece, group=g)
             p.data = full[:p.ds_numel].view(p.ds_shape).to(device=p.device, dtype=p.dtype, copy=True)
             del p._zero_init_shard, p._zero_init_group
+            _remove_file(p)
 
 
 def _is_init_partitioned(p: Any) -> bool:
@@ -188,8 +216,9 @@ class Init:
     Arguments follow ``deepspeed.zero.Init``: ``module`` (an already-built module: partitioned
     now), ``data_parallel_group`` (default: the world), ``enabled``, ``dtype`` (floating-point
     parameters are cast on creation), ``remote_device`` (where the shards live: ``None`` — the
-    parameter's own device —, ``"cpu"`` or a CUDA device; ``"nvme"`` is refused: use
-    ``zero_optimization.offload_param`` in the config), ``pin_memory``, ``config_dict_or_path`` /
+    parameter's own device —, ``"cpu"``, a CUDA device, or ``"nvme"``: memory-mapped files in a
+    folder under ``zero_optimization.offload_param.nvme_path`` of the config, one per rank, removed
+    when the parameter is made whole), ``pin_memory``, ``config_dict_or_path`` /
     ``config`` (a ds_config whose ``fp16``/``bf16`` section gives the dtype), ``mpu`` (its
     data-parallel group). ``torch.distributed`` is started if it is not yet
     (``microspeed.init_distributed()``). Nested ``Init`` blocks follow the outermost one.
@@ -205,10 +234,13 @@ class Init:
                             f"data_parallel_group, remote_device, pin_memory, config_dict_or_path, config, "
                             f"enabled, dtype, mpu.")
         device = None if remote_device in (None, "none") else str(remote_device)
+        self.nvme_folder: str | None = None
+        if device == "nvme":
+            self.nvme_folder = self._nvme_folder(config_dict_or_path if config_dict_or_path is not None else config)
+            device = "cpu"
         if device is not None and device != "cpu" and not device.startswith("cuda"):
-            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): accepted None, 'cpu' or a CUDA device; "
-                              f"to keep parameters on NVMe set zero_optimization.offload_param.device='nvme' in "
-                              f"the config passed to initialize() and build the model with remote_device='cpu'.")
+            raise ConfigError(f"zero.Init(remote_device={remote_device!r}): accepted None, 'cpu', 'nvme' or a CUDA "
+                              f"device.")
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ConfigError(f"zero.Init(dtype={dtype!r}): expected a floating-point torch.dtype.")
         self.enabled = enabled
@@ -224,15 +256,32 @@ class Init:
             self._partition_tree(module)
 
     @staticmethod
-    def _dtype_from_config(config: Any) -> torch.dtype | None:
+    def _raw(config: Any) -> dict:
+        if hasattr(config, "raw") and hasattr(config, "values"):  # a parsed microspeed Config
+            return config.raw
+        from microspeed.config import load_raw
+
+        return load_raw(config)
+
+    @classmethod
+    def _nvme_folder(cls, config: Any) -> str:
+        """``remote_device="nvme"``: this rank's folder under the config's ``offload_param.nvme_path``."""
+        raw = cls._raw(config) if config is not None else {}
+        path = ((raw.get("zero_optimization") or {}).get("offload_param") or {}).get("nvme_path")
+        if not path:
+            raise ConfigError("zero.Init(remote_device='nvme') needs a folder: pass config_dict_or_path with "
+                              "zero_optimization.offload_param.nvme_path set (as DeepSpeed), or use "
+                              "remote_device='cpu'.")
+        from microspeed_zero.nvme import rank_folder
+
+        comm.init_distributed()
+        return os.path.join(rank_folder(str(path), comm.get_rank()), "zero_init")
+
+    @classmethod
+    def _dtype_from_config(cls, config: Any) -> torch.dtype | None:
         if config is None:
             return None
-        if hasattr(config, "raw") and hasattr(config, "values"):  # a parsed microspeed Config
-            raw = config.raw
-        else:
-            from microspeed.config import load_raw
-
-            raw = load_raw(config)
+        raw = cls._raw(config)
         if (raw.get("bf16") or raw.get("bfloat16") or {}).get("enabled"):
             return torch.bfloat16
         if (raw.get("fp16") or {}).get("enabled"):
@@ -247,6 +296,8 @@ class Init:
             if cast is not None and p.dtype != cast:
                 with _internal(), torch.no_grad():
                     p.data = p.data.to(dtype=cast)
+            if self.nvme_folder is not None:
+                p._zero_init_nvme = self.nvme_folder
             partition_param(p, self.group, self.remote_device)
 
     def _partition_tree(self, module: torch.nn.Module) -> None:

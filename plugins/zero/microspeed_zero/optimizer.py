@@ -15,6 +15,8 @@ memory (or stream from NVMe, :mod:`microspeed_zero.swap`).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 from typing import Any
 
@@ -107,15 +109,65 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.runtime.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
-        """Refused: a ZeRO optimizer's state is partitioned; use ``engine.save_checkpoint``."""
-        raise RuntimeError("ZeroOptimizer.state_dict(): the state is partitioned across ranks; save it with "
-                           "engine.save_checkpoint(dir) (any stage and world size can load it), or read one "
-                           "parameter's state with microspeed.zero.safe_get_full_optimizer_state(param, name).")
+        """This rank's partition of the optimizer, as DeepSpeed's ZeRO optimizers return it.
+
+        ``base_optimizer_state`` (the inner optimizer over this rank's slices),
+        ``single_partition_of_fp32_groups`` (the fp32 master slices, one per stepped segment),
+        the user's ``param_groups`` hyper-parameters, ``zero_stage``, ``partition_count`` and
+        ``loss_scaler``. Only :meth:`load_state_dict` of an engine with the same model, stage and
+        data-parallel size (and this rank) reads it back; for a checkpoint any world size can
+        load, use ``engine.save_checkpoint``.
+        """
+        rt = self.runtime
+        resident = rt.swapper.resident() if rt.swapper is not None else contextlib.nullcontext()
+        with resident:
+            masters = [rt.masters[seg.index].detach().clone() for seg in rt.optimized]
+            base = copy.deepcopy(self.inner.state_dict())
+        scaler = rt.scaler
+        return {
+            "zero_stage": rt.stage,
+            "partition_count": rt.world,
+            "partition_rank": rt.rank,
+            "segment_numels": [seg.numel for seg in rt.optimized],
+            "base_optimizer_state": base,
+            "single_partition_of_fp32_groups": masters,
+            "param_groups": [_hyper(g) for g in self.param_groups],
+            "applied_steps": self.applied_steps,
+            "loss_scaler": scaler.state_dict() if scaler is not None and hasattr(scaler, "state_dict") else None,
+            "clip_grad": rt.max_norm,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Refused: load through ``engine.load_checkpoint``."""
-        raise RuntimeError("ZeroOptimizer.load_state_dict(): load ZeRO optimizer state with "
-                           "engine.load_checkpoint(dir).")
+        """Restore what :meth:`state_dict` returned on this rank (same model, stage and data-parallel size).
+
+        Masters, optimizer state and hyper-parameters are restored and the parameters take the
+        masters' values (gathered again, so every rank's whole parameters match).
+        """
+        rt = self.runtime
+        mine = {"zero_stage": rt.stage, "partition_count": rt.world, "partition_rank": rt.rank,
+                "segment_numels": [seg.numel for seg in rt.optimized]}
+        for key, value in mine.items():
+            if state_dict.get(key) != value:
+                raise ValueError(f"ZeroOptimizer.load_state_dict: {key} is {state_dict.get(key)!r} in the state dict "
+                                 f"but {value!r} here; an optimizer state dict holds one rank's partition and loads "
+                                 f"only into the same layout. Use engine.save_checkpoint/load_checkpoint to change "
+                                 f"stage or world size.")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            group.update(saved)
+        resident = rt.swapper.resident(writeback=True) if rt.swapper is not None else contextlib.nullcontext()
+        with resident, torch.no_grad():
+            self.inner.load_state_dict(state_dict["base_optimizer_state"])
+            for seg, master in zip(rt.optimized, state_dict["single_partition_of_fp32_groups"], strict=True):
+                rt.masters[seg.index].copy_(master)
+                rt._write_back(seg)
+        rt.wait_gathers()
+        if rt.stage3 is not None:
+            rt.stage3.wait_all()
+        self.applied_steps = state_dict.get("applied_steps", self.applied_steps)
+        scaler = rt.scaler
+        if scaler is not None and state_dict.get("loss_scaler") is not None and hasattr(scaler, "load_state_dict"):
+            scaler.load_state_dict(state_dict["loss_scaler"])
+        self.sync_hyperparameters()
 
     def run_states(self) -> list[dict[str, Any]]:
         """The inner optimizer's state of each run (in :attr:`runs` order)."""

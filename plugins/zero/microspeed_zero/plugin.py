@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from microspeed import comm
 from microspeed.config import Field
 from microspeed.errors import ConfigError
 from microspeed.hookspecs import StepOutcome, hookimpl
@@ -45,6 +46,7 @@ class ZeroPlugin:
         """Parse the section; refuse combinations we cannot serve."""
         self.config = config
         self.cfg = ZeroConfig.from_config(config)
+        _show_notices(self.cfg.notices)
 
     def _active(self) -> bool:
         return self.rt is not None
@@ -66,6 +68,7 @@ class ZeroPlugin:
         """Stage 3: partition the parameters now, before the optimizer is built; otherwise make
         parameters built under ``zero.Init`` whole (before data parallel broadcasts them)."""
         if self._active() and self.cfg.stage == 3:
+            _apply_leaf_config(self.cfg, model)
             self.rt.partition_parameters(model)
             self.rt.tag_parameters()
         else:
@@ -169,3 +172,43 @@ class ZeroPlugin:
     def microspeed_optimizer_param_names(self) -> dict[int, str] | None:
         """Nothing extra: the ZeRO optimizer presents the model's own parameters."""
         return None
+
+    @hookimpl
+    def microspeed_engine_api(self, engine) -> dict[str, Any] | None:
+        """DeepSpeed's ``engine.zero_*`` accessors (stage >= 1; at stage 0 the built-in answers)."""
+        if not self._active():
+            return None
+        from microspeed_zero.engine_api import engine_api
+
+        return engine_api(engine, self.rt, self.config)
+
+
+_SHOWN: set[str] = set()
+
+
+def _show_notices(lines: tuple[str, ...]) -> None:
+    """Log each "has no effect here" line once per process, on rank 0 only."""
+    import logging
+
+    fresh = [line for line in lines if line not in _SHOWN]
+    _SHOWN.update(fresh)
+    if fresh and comm.get_rank() == 0:
+        log = logging.getLogger("microspeed.zero")
+        for line in fresh:
+            log.warning(line)
+
+
+def _apply_leaf_config(cfg: ZeroConfig, model: torch.nn.Module) -> None:
+    """``zero_optimization.leaf_module``: flag the named classes, module names and suffixes as leaves."""
+    from microspeed_zero.leaf import set_z3_leaf_module, set_z3_leaf_modules
+
+    if cfg.leaf_classes:
+        set_z3_leaf_modules(model, list(cfg.leaf_classes), raise_if_not_found=False)
+    names = dict(model.named_modules())
+    missing = [n for n in cfg.leaf_names if n not in names]
+    if missing:
+        raise ConfigError(f"zero_optimization.leaf_module.names: no module named {missing} in the model "
+                          f"(names as in model.named_modules(), e.g. {list(names)[1:4]}).")
+    for name, module in names.items():
+        if name in cfg.leaf_names or any(name.endswith(s) for s in cfg.leaf_suffixes):
+            set_z3_leaf_module(module, True)

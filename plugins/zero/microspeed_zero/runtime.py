@@ -11,7 +11,10 @@ Built by :class:`microspeed_zero.plugin.ZeroPlugin`; kept on the engine as
    buffer. With ``overlap_comm`` segments are stepped in forward order, each gather launched as
    soon as its segment is stepped, and waited for only by the forward pre-hook of the first
    module that uses the segment: the gather runs behind the optimizer step and the next forward.
-   Stage 3 keeps only the shard (:mod:`microspeed_zero.stage3` gathers before use).
+   Until then the segment's parameters are *watched* (:mod:`microspeed_zero.access`): any other
+   use — ``p.data``, ``p.detach()``, ``state_dict()``, an EMA update reading ``named_parameters()``
+   right after ``step()`` — waits for that segment's gather first, so the lazy gather is
+   invisible. Stage 3 keeps only the shard (:mod:`microspeed_zero.stage3` gathers before use).
 """
 
 from __future__ import annotations
@@ -25,11 +28,19 @@ import torch.distributed as dist
 from microspeed import comm
 from microspeed.builtin.loss_scaler import has_inf_or_nan
 from microspeed.hookspecs import StepOutcome
+from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.config import ZeroConfig
 from microspeed_zero.optimizer import ZeroOptimizer
 from microspeed_zero.partition import Segment, cut_segments
 from microspeed_zero.reduce import GradientReducer, Scaling
+
+_METADATA = frozenset({
+    "grad", "requires_grad", "grad_fn", "is_leaf", "dtype", "device", "shape", "size", "dim", "ndim", "numel",
+    "layout", "is_cuda", "is_meta", "__hash__", "__eq__", "_backward_hooks", "_post_accumulate_grad_hooks",
+    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "is_floating_point", "__class__",
+})
+"""Uses of a parameter that do not read its values: no need to wait for its pending gather."""
 
 
 class ZeroRuntime:
@@ -363,15 +374,32 @@ class ZeroRuntime:
         mine = flat[r * S:(r + 1) * S]
         works = [gather_slices(flat, mine, r, seg.world, seg.group, True, c0, min(S, c0 + per))
                  for c0 in range(0, S, per)]
-        self.gathers[seg.index] = [w for w in works if w is not None]
+        pending = [w for w in works if w is not None]
+        if pending:
+            self.gathers[seg.index] = pending
+            for p in seg.params:
+                watch(p)
 
     def wait_gathers(self, indices: list[int] | None = None) -> None:
         """Wait for the pending parameter all-gathers of ``indices`` (all when ``None``)."""
         if not self.gathers:
             return
         for i in (list(self.gathers) if indices is None else indices):
-            for work in self.gathers.pop(i, ()):
+            works = self.gathers.pop(i, None)
+            if works is None:
+                continue
+            for work in works:
                 work.wait()
+            for p in self.segments[i].params:
+                unwatch(p)
+
+    def on_access(self, params: list[torch.nn.Parameter], name: str) -> None:
+        """A watched parameter is used (see :mod:`microspeed_zero.access`): stage 3 gathers it if released;
+        stages 1, 2 wait for its segment's pending all-gather (unless ``name`` reads only metadata)."""
+        if self.stage3 is not None:
+            self.stage3.on_access(params, name)
+        elif name not in _METADATA:
+            self.wait_gathers(sorted({p._zero[1] for p in params if p._zero[0] is self}))
 
     def zero_grad(self) -> None:
         """Zero the gradient accumulators (the model's ``.grad`` are cleared by the engine)."""

@@ -19,6 +19,19 @@ placeholder (``p.ds_shape`` / ``p.ds_numel`` give its real shape); the rank keep
 Releasing shrinks the flat buffer's storage to zero bytes (as FSDP does) and points the
 parameters at the placeholder: tensors autograd saved from the forward keep referring to the
 same storage, which the backward gather fills again, so any module works unchanged.
+
+* **Parameters used outside their module** (``nn.MultiheadAttention`` reads ``out_proj.weight``
+  without calling ``out_proj``; a tied embedding used through ``F.linear``): leaf modules
+  (:mod:`microspeed_zero.leaf`; ``MultiheadAttention`` and the Transformer layers by default)
+  gather their whole sub-tree; parameters registered with ``register_external_parameter`` are
+  gathered with the module that uses them; and a released parameter used by any torch function
+  during forward (see :mod:`microspeed_zero.access`) is gathered on the spot and registered as
+  external to the innermost running module — gathered again before that module's backward, and
+  with it (prefetched) from the next forward on. Used outside any module (a regulariser in the
+  loss), it stays gathered until its gradient is reduced.
+
+Each parameter carries DeepSpeed's ``ds_id``, ``ds_shape``, ``ds_numel`` and ``ds_status``
+(:class:`~microspeed_zero.leaf.ZeroParamStatus`).
 """
 
 from __future__ import annotations
@@ -29,10 +42,35 @@ import torch
 import torch.distributed as dist
 
 from microspeed import comm
+from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
+from microspeed_zero.leaf import ZeroParamStatus, external_parameters, is_leaf
 from microspeed_zero.partition import Segment
 
 RELEASED, INFLIGHT, AVAILABLE = 0, 1, 2
+_DS_STATUS = {RELEASED: ZeroParamStatus.NOT_AVAILABLE, INFLIGHT: ZeroParamStatus.INFLIGHT,
+              AVAILABLE: ZeroParamStatus.AVAILABLE}
+_NO_GATHER = frozenset({
+    "grad_fn", "requires_grad", "is_leaf", "dtype", "device", "grad", "layout", "is_cuda", "is_meta",
+    "is_sparse", "is_quantized", "is_mkldnn", "_base", "output_nr", "_version", "_cdata", "names", "__class__",
+    "requires_grad_", "is_floating_point", "is_complex", "element_size", "get_device", "_is_view",
+    "__reduce_ex__", "__deepcopy__", "__hash__", "__eq__", "__ne__", "data", "shape", "size", "dim", "ndim",
+    "numel", "nelement", "__repr__", "__format__", "__str__", "stride", "is_contiguous", "storage_offset",
+    "untyped_storage", "data_ptr", "__len__", "__setstate__", "__getstate__", "register_hook",
+    "register_post_accumulate_grad_hook", "retain_grad", "retains_grad", "_backward_hooks",
+    "_post_accumulate_grad_hooks", "__dict__",
+})
+"""Uses of a released parameter that read only what its placeholder also answers: no gather."""
+_NEXT_ID = [0]
+
+
+class _Frame:
+    """A module whose forward is running: the segments it holds (gathered for it or on access)."""
+
+    __slots__ = ("module", "indices", "leaf")
+
+    def __init__(self, module: torch.nn.Module, indices: list[int], leaf: bool) -> None:
+        self.module, self.indices, self.leaf = module, indices, leaf
 
 
 def _gather_into(flat: torch.Tensor, shard: torch.Tensor, group: Any, async_op: bool) -> Any:
@@ -54,6 +92,13 @@ class ParameterPartitioner:
         self.works: dict[int, Any] = {}
         self.uses: dict[int, int] = {}
         self.module_segments: dict[torch.nn.Module, list[int]] = {}
+        self.subtree: dict[torch.nn.Module, list[int]] = {}
+        self.auto_external: dict[torch.nn.Module, set[int]] = {}  # found by gather-on-access
+        self.seg_of: dict[int, int] = {}  # id(param) -> segment index
+        self.stack: list[_Frame] = []
+        self.leaf_depth = 0
+        self.active = False  # a forward (and its backward) is running: released parameters gather on use
+        self.held: set[int] = set()  # gathered on use outside any module: kept until reduced
         self.order: list[int] = []
         self.trace: list[int] = []
         self.position: dict[int, list[int]] = {}
@@ -110,11 +155,12 @@ class ParameterPartitioner:
                 for p in params:
                     assigned[id(p)] = seg.index
                     p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
+                    p.ds_id, _NEXT_ID[0] = _NEXT_ID[0], _NEXT_ID[0] + 1
                 if persistent:
                     self.shards[seg.index] = flat[start:end]
                     self.flats[seg.index] = flat
                     self._point(seg, flat)
-                    self.status[seg.index] = AVAILABLE
+                    self._set_status(seg, AVAILABLE)
                 else:
                     shard = flat[start:end]
                     self.shards[seg.index] = (shard.to("cpu", copy=True).pin_memory() if self.pin else
@@ -127,6 +173,7 @@ class ParameterPartitioner:
             needed = sorted({assigned[id(p)] for p in module._parameters.values() if p is not None})
             if needed:
                 self.module_segments[module] = needed
+        self.seg_of = dict(assigned)
         with torch.no_grad():
             for b in model.buffers():
                 comm.broadcast(b.data, src=src, group=self.group)
@@ -155,15 +202,22 @@ class ParameterPartitioner:
             self.loaded[index] = self.store.read(f"shard{index}", buf)
         return self.loaded[index]
 
+    def _set_status(self, seg: Segment, state: int) -> None:
+        self.status[seg.index] = state
+        for p in seg.params:
+            p.ds_status = _DS_STATUS[state]
+
     def _point(self, seg: Segment, flat: torch.Tensor) -> None:
         for p, view in zip(seg.params, seg.views(flat), strict=True):
             p.data = view
+            unwatch(p)
 
     def _drop(self, seg: Segment) -> None:
         for p in seg.params:
             p.data = self._placeholder(p)
+            watch(p)
         self.flats[seg.index].untyped_storage().resize_(0)
-        self.status[seg.index] = RELEASED
+        self._set_status(seg, RELEASED)
 
     # -- gather / release ------------------------------------------------------------------------
 
@@ -179,7 +233,7 @@ class ParameterPartitioner:
             shard = shard.to(flat.device, non_blocking=True)
         work = _gather_into(flat, shard, self.group, async_op)
         self.works[seg.index] = work
-        self.status[seg.index] = INFLIGHT
+        self._set_status(seg, INFLIGHT)
 
     def fetch(self, index: int) -> None:
         """Make segment ``index``'s parameters whole (waiting for a prefetch, or gathering now)."""
@@ -192,13 +246,14 @@ class ParameterPartitioner:
             work.wait()
         if self.status[index] != AVAILABLE:
             self._point(seg, self.flats[index])
-            self.status[index] = AVAILABLE
+            self._set_status(seg, AVAILABLE)
 
     def release(self, index: int) -> None:
         """Give back segment ``index``'s gathered memory (persistent segments stay whole)."""
         seg = self.segments[index]
         if seg.persistent or self.status[index] == RELEASED:
             return
+        self.held.discard(index)
         work = self.works.pop(index, None)
         if work is not None:
             work.wait()
@@ -225,13 +280,37 @@ class ParameterPartitioner:
     # -- module hooks ----------------------------------------------------------------------------
 
     def _install_hooks(self, model: torch.nn.Module) -> None:
-        for module, needed in self.module_segments.items():
-            self.handles.append(module.register_forward_pre_hook(
-                lambda m, a, needed=needed: self._pre_forward(needed)))
-            self.handles.append(module.register_forward_hook(
-                lambda m, a, out, needed=needed: self._post_forward(needed, out)))
+        for module in model.modules():  # every module: the innermost running one owns what is gathered on use
+            self.handles.append(module.register_forward_pre_hook(lambda m, a: self._pre_forward(m)))
+            self.handles.append(module.register_forward_hook(lambda m, a, out: self._post_forward(m, out)))
 
-    def _pre_forward(self, needed: list[int]) -> None:
+    def _needed(self, module: torch.nn.Module, leaf: bool) -> list[int]:
+        """Segments ``module``'s forward needs: its own (a leaf: its sub-tree's) and its external ones."""
+        if leaf:
+            base = self.subtree.get(module)
+            if base is None:
+                base = sorted({self.seg_of[id(p)] for p in module.parameters() if id(p) in self.seg_of})
+                self.subtree[module] = base
+        else:
+            base = self.module_segments.get(module, [])
+        extra = self.auto_external.get(module)
+        registered = external_parameters(module)
+        if not extra and not registered:
+            return base
+        more = set(extra or ()) | {self.seg_of[id(p)] for p in registered if id(p) in self.seg_of}
+        return sorted(set(base) | more)
+
+    def _pre_forward(self, module: torch.nn.Module) -> None:
+        if self.leaf_depth:
+            return  # inside a leaf module: it gathered its whole sub-tree
+        self.active = True
+        leaf = is_leaf(module)
+        needed = self._needed(module, leaf)
+        self.stack.append(_Frame(module, list(needed), leaf))
+        if leaf:
+            self.leaf_depth += 1
+        if not needed:
+            return
         for index in needed:
             self.fetch(index)
             self.uses[index] = self.uses.get(index, 0) + 1
@@ -239,16 +318,41 @@ class ParameterPartitioner:
         if self.order and len(self.trace) <= len(self.order) and self.order[len(self.trace) - 1] == self.trace[-1]:
             self._prefetch(self.order, len(self.trace) - 1)
 
-    def _post_forward(self, needed: list[int], outputs: Any) -> None:
-        for index in needed:
+    def _post_forward(self, module: torch.nn.Module, outputs: Any) -> None:
+        if not self.stack or self.stack[-1].module is not module:
+            return  # a child of a leaf module (no frame of its own)
+        frame = self.stack.pop()
+        if frame.leaf:
+            self.leaf_depth -= 1
+        needed = sorted(set(frame.indices))
+        for index in frame.indices:
             self.uses[index] -= 1
-            if self.uses[index] == 0 and not self._reused_soon(index):
+        for index in needed:
+            if self.uses[index] == 0 and index not in self.held and not self._reused_soon(index):
                 self.release(index)
-        if torch.is_grad_enabled():
+        if needed and torch.is_grad_enabled():
             tensors = [t for t in _tensors(outputs) if t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda _grads, needed=needed: self._pre_backward(needed), mode="any")
+        if not self.stack and not torch.is_grad_enabled():
+            self.active = False  # no backward follows: stop gathering on use
+
+    def on_access(self, params: list[torch.nn.Parameter], name: str) -> None:
+        """A torch function ``name`` uses released ``params`` during forward: gather their segments now and
+        register them with the innermost running module (see the module docstring)."""
+        if name in _NO_GATHER or not self.active:
+            return
+        indices = sorted({p._zero[1] for p in params if self.status.get(p._zero[1], AVAILABLE) != AVAILABLE})
+        for index in indices:
+            self.fetch(index)
+            if self.stack:
+                frame = self.stack[-1]
+                frame.indices.append(index)
+                self.uses[index] = self.uses.get(index, 0) + 1
+                self.auto_external.setdefault(frame.module, set()).add(index)
+            elif not self.segments[index].persistent:
+                self.held.add(index)
 
     def _reused_soon(self, index: int) -> bool:
         if not self.order or self.cfg.max_reuse_distance <= 0:
@@ -280,8 +384,13 @@ class ParameterPartitioner:
                 self.position.setdefault(index, []).append(pos)
         self.trace = []
         self.uses.clear()
+        self.stack.clear()
+        self.leaf_depth = 0
+        if not torch.is_grad_enabled():
+            self.active = False
         for seg in self.segments:
-            self.release(seg.index)
+            if seg.index not in self.held:
+                self.release(seg.index)
 
     def after_reduced(self, seg: Segment) -> None:
         """A segment's gradients left for reduction: its parameters are not needed in this backward."""
@@ -289,6 +398,8 @@ class ParameterPartitioner:
 
     def after_backward(self) -> None:
         """Release every segment still gathered (frozen parameters, unused prefetches)."""
+        self.active = False
+        self.held.clear()
         for seg in self.segments:
             self.release(seg.index)
 

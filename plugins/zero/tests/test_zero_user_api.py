@@ -216,11 +216,11 @@ def test_init_partitions_at_construction_and_trains_like_a_plain_model():
     run_distributed(_init_body, world_size=2, args=(3,), timeout=100, init_process_group=False)
 
 
-def test_init_refuses_nvme_and_unknown_arguments():
-    """remote_device='nvme' names the config key to use instead; unknown keywords are refused."""
+def test_init_nvme_needs_a_folder_and_unknown_arguments_are_refused():
+    """remote_device='nvme' without offload_param.nvme_path names the key; unknown keywords are refused."""
     from microspeed.zero import Init
 
-    with pytest.raises(ConfigError, match=r"remote_device='nvme'.*offload_param"):
+    with pytest.raises(ConfigError, match=r"remote_device='nvme'.*offload_param.nvme_path"):
         Init(remote_device="nvme")
     with pytest.raises(TypeError, match="unsupported argument"):
         Init(sequence_data_parallel_group=None)
@@ -478,3 +478,42 @@ def test_safe_get_full_matches_single_process(world, single_process_reference):
                     assert got[kind][name].shape == want[name].shape, (rank, stage, kind, name)
                     torch.testing.assert_close(got[kind][name], want[name], rtol=1e-5, atol=1e-7,
                                                msg=lambda m, r=rank, s=stage, k=kind, n=name: f"{r} {s} {k} {n}: {m}")
+
+
+def test_init_remote_device_nvme_keeps_shards_in_files_and_trains(tmp_path):
+    """zero.Init(remote_device="nvme"): shards are memory-mapped files under offload_param.nvme_path (removed when
+    the engine adopts the model); training equals a model built without Init."""
+    import os
+
+    from microspeed.zero import Init
+
+    microspeed.init_distributed()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "offload_optimizer": {"device": "cpu"},
+                                 "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}}
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    with Init(remote_device="nvme", config_dict_or_path=cfg):
+        model = build()
+    files = [p._zero_init_file for p in model.parameters()]
+    assert all(p.numel() == 0 and os.path.exists(f) for p, f in zip(model.parameters(), files, strict=True))
+    assert torch.equal(model[0].weight._zero_init_shard.view(8, 6), build()[0].weight.detach())
+
+    def train(m):
+        engine, *_ = microspeed.initialize(model=m, config=cfg)
+        out = []
+        for i in range(2):
+            x = torch.randn(2, 6, generator=torch.Generator().manual_seed(i))
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            out.append(loss.item())
+        return out
+
+    assert train(model) == train(build())
+    assert not any(os.path.exists(f) for f in files)
