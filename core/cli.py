@@ -1,4 +1,4 @@
-"""The ``microspeed`` command: ``run`` (torchrun), ``plugins`` (what loaded), ``demo`` (train a GPT)."""
+"""The ``microspeed`` command: ``run`` (torchrun), ``plugins`` (what loaded), ``demo`` (train a GPT), and more."""
 
 from __future__ import annotations
 
@@ -10,11 +10,38 @@ from collections.abc import Sequence
 from microspeed.plugins import PluginManager, all_hook_names
 
 
+def _take_flag(args: list[str], flag: str) -> bool:
+    """Remove ``flag`` from the launcher options (before the script or ``-m``); return whether it was there."""
+    for i, arg in enumerate(args):
+        if arg.endswith(".py") or arg in ("-m", "--module", "--no-python", "--no_python"):
+            return False
+        if arg == flag:
+            del args[i]
+            return True
+    return False
+
+
 def cmd_run(argv: Sequence[str]) -> int:
-    """``microspeed run [torchrun options] script.py [args]``: hands everything to torchrun."""
+    """``microspeed run [--as-deepspeed] [torchrun options] script.py [args]``: hands everything to torchrun.
+
+    ``--as-deepspeed`` makes ``import deepspeed`` in the launched processes resolve to microspeed's
+    stand-in (its source folder goes first on their ``PYTHONPATH``), even where real DeepSpeed is
+    installed; where the stand-in is pip-installed it changes nothing.
+    """
     from torch.distributed import run as torchrun
 
     args = list(argv)
+    if _take_flag(args, "--as-deepspeed"):
+        from microspeed import standin
+
+        if not standin.installed_standin():
+            try:
+                folder = str(standin.source_folder())
+            except FileNotFoundError as exc:
+                print(f"microspeed run --as-deepspeed: {exc}", file=sys.stderr)
+                return 2
+            rest = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = folder + (os.pathsep + rest if rest else "")
     if not any(a.startswith("--nproc") for a in args):
         args = ["--nproc-per-node", "1", *args]
     torchrun.main(args)
@@ -65,6 +92,30 @@ def cmd_demo(argv: Sequence[str]) -> int:
     return 0
 
 
+def cmd_deepspeed_path(argv: Sequence[str]) -> int:
+    """Print the folder that makes ``import deepspeed`` resolve to microspeed's stand-in when first on ``PYTHONPATH``.
+
+    For launchers other than ``microspeed run``:
+    ``PYTHONPATH=$(microspeed deepspeed-path):$PYTHONPATH accelerate launch train.py``.
+    """
+    parser = argparse.ArgumentParser(prog="microspeed deepspeed-path", description=cmd_deepspeed_path.__doc__)
+    parser.parse_args(argv)
+    from microspeed import standin
+
+    try:
+        print(standin.source_folder())
+    except FileNotFoundError as exc:
+        if standin.installed_standin():
+            import importlib.machinery
+
+            spec = importlib.machinery.PathFinder.find_spec("deepspeed")
+            print(os.path.dirname(os.path.dirname(spec.origin)))
+            return 0
+        print(f"microspeed deepspeed-path: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_config_keys(argv: Sequence[str]) -> int:
     """Print the ds_config keys the loaded plugins accept, as the README's Markdown table."""
     from microspeed.config import markdown_table, merge_schema
@@ -88,6 +139,7 @@ COMMANDS = {
     "plugins": cmd_plugins,
     "demo": cmd_demo,
     "config-keys": cmd_config_keys,
+    "deepspeed-path": cmd_deepspeed_path,
     "checkpoint": "microspeed.checkpoint_cli:main",
     "trace": "microspeed.trace_cli:main",
     "plot": "microspeed.plot:main",
@@ -130,10 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         extra = "".join(f"\n  {n:12s} (from a plugin: {commands[n]})" for n in commands if n not in COMMANDS)
         print(f"usage: microspeed {{{','.join(commands)}}} ...\n"
-              "  run      launch a training script on N processes (wraps torchrun)\n"
+              "  run      launch a training script on N processes (wraps torchrun);\n"
+              "           --as-deepspeed: `import deepspeed` gets microspeed's stand-in\n"
               "  plugins  list loaded plugins, their versions and hooks\n"
               "  demo     train a small GPT on 2 local CPU processes\n"
               "  config-keys  print the ds_config keys the installed plugins accept (Markdown)\n"
+              "  deepspeed-path  folder to put first on PYTHONPATH so `import deepspeed` gets microspeed\n"
               "  checkpoint   consolidate / import-deepspeed checkpoints\n"
               "  trace        summary / export of hook-level traces\n"
               "  plot         draw loss and lr curves from a csv_monitor folder\n"

@@ -120,7 +120,10 @@ def init_distributed(
     if dist.is_initialized():
         return
     if dist_init_required is False:
-        return
+        raise DistributedNotInitializedError(
+            "init_distributed(dist_init_required=False): torch.distributed is not initialized. Pass "
+            "dist_init_required=True (or leave it None) to start it here, or call "
+            "torch.distributed.init_process_group() first.")
     backend = dist_backend or default_backend()
     if backend not in ("gloo", "nccl", "mpi", "ucc"):
         raise ValueError(f"dist_backend={backend!r}: expected 'gloo' (CPU) or 'nccl' (CUDA).")
@@ -140,6 +143,13 @@ def init_distributed(
     if world_size >= 0:
         kwargs["world_size"] = world_size
     dist.init_process_group(backend, **kwargs)
+
+
+class DistributedNotInitializedError(AssertionError):
+    """``init_distributed(dist_init_required=False)`` was called before any process group existed.
+
+    An ``AssertionError``, as DeepSpeed raises in the same case.
+    """
 
 
 def get_world_size(group: Any = None) -> int:
@@ -778,3 +788,60 @@ def log_summary(show_straggler: bool = False, return_dict: bool = False) -> Any:
 def reset_log() -> None:
     """Forget what the comms logger recorded."""
     comms_logger.reset_data()
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSpeed's ``deepspeed.comm`` names that torch.distributed answers directly
+# --------------------------------------------------------------------------------------------
+
+
+def is_initialized() -> bool:
+    """Whether ``torch.distributed`` has a default process group (``deepspeed.comm.is_initialized``)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def new_group(ranks: list[int], **kwargs: Any) -> Any:
+    """A process group of the global ``ranks`` (every rank must call it, as ``torch.distributed.new_group``)."""
+    _require_initialized("new_group")
+    return dist.new_group(ranks=list(ranks), **kwargs)
+
+
+def get_world_group() -> Any:
+    """The default (world) process group."""
+    _require_initialized("get_world_group")
+    return dist.group.WORLD
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``, 0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
+    """The global rank of ``group_rank`` in ``group`` (the world group: the same number)."""
+    if group is None or not is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def get_all_ranks_from_group(group: Any = None) -> list[int]:
+    """Global ranks of ``group``'s members, in group-rank order."""
+    return group_label(group)[1]
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = None, group: Any = None) -> Any:
+    """All-reduce for inference (DeepSpeed's fast path for small messages); here the counted :func:`all_reduce`."""
+    return all_reduce(tensor, op=op, group=group)
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """End ``group`` (default: the world group and torch.distributed)."""
+    if is_initialized():
+        dist.destroy_process_group(group)
+
+
+def _require_initialized(what: str) -> None:
+    if not is_initialized():
+        raise DistributedNotInitializedError(
+            f"{what}(): torch.distributed is not initialized; call microspeed.init_distributed() "
+            "(deepspeed.init_distributed()) first.")

@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: constants launchers share; launch with ``microspeed run`` (torchrun)."""

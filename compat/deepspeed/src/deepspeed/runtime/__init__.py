@@ -1,0 +1,1 @@
+"""``deepspeed.runtime``: the engine, ZeRO, LR schedules, pipeline and activation checkpointing, from microspeed."""

@@ -1,0 +1,1 @@
+"""``deepspeed.runtime.fp16``: ``loss_scaler`` is microspeed's (:mod:`microspeed.builtin.loss_scaler`)."""

@@ -1,0 +1,48 @@
+"""``deepspeed.runtime.zero.partition_parameters``: ``Init``, ``GatheredParameters`` and friends from microspeed.zero.
+
+DeepSpeed's ``Init`` wraps ``torch.arange``/``eye``/``randn`` with :func:`zero_wrapper_for_fp_tensor_constructor`
+to give new tensors the training dtype and device; microspeed's ``Init`` casts parameters instead and
+leaves tensor constructors alone, so code that swaps this wrapper (transformers'
+``prevent_arange_dtype_change``) finds it and its swap changes nothing, as intended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from microspeed.accelerator import get_accelerator  # noqa: F401 - clients reach it through this module
+
+_orig_torch_arange = torch.arange
+_orig_torch_eye = torch.eye
+_orig_torch_randn = torch.randn
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype | None,
+                                           target_device: torch.device | None) -> Callable[..., torch.Tensor]:
+    """``fn`` creating tensors on ``target_device`` (unless given), floating ones in ``target_fp_dtype``."""
+
+    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None and target_device is not None:
+            kwargs["device"] = target_device
+        tensor = fn(*args, **kwargs)
+        if target_fp_dtype is not None and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name.startswith("__"):
+        raise AttributeError(name)
+    zero = importlib.import_module("microspeed.zero")
+    try:
+        return getattr(zero, name)
+    except AttributeError:
+        raise AttributeError(f"deepspeed.runtime.zero.partition_parameters.{name}: microspeed's ZeRO plugin "
+                             f"(microspeed.zero) does not provide {name}") from None
