@@ -113,12 +113,14 @@ CLIENT_IMPORTS = {
                                      "load_state_dict_from_zero_checkpoint",
                                      "convert_zero_checkpoint_to_fp32_state_dict"],
     "deepspeed.runtime.lr_schedules": ["VALID_LR_SCHEDULES", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
-                                       "OneCycle", "LRRangeTest"],
+                                       "OneCycle", "LRRangeTest", "WARMUP_MIN_LR", "CYCLE_MIN_LR", "TOTAL_NUM_STEPS",
+                                       "LR_RANGE_TEST_STEP_SIZE", "COS_MIN_RATIO", "DECAY_MOM_RATE"],
     "deepspeed.runtime.zero": ["GatheredParameters", "Init", "partition_parameters"],
     "deepspeed.runtime.zero.partition_parameters": ["Init", "GatheredParameters", "_orig_torch_arange",
                                                     "zero_wrapper_for_fp_tensor_constructor"],
     "deepspeed.zero": ["Init", "GatheredParameters"],
-    "deepspeed.runtime.utils": ["move_to_device", "clone_tensors_for_torch_save", "set_random_seed"],
+    "deepspeed.runtime.utils": ["move_to_device", "clone_tensors_for_torch_save", "set_random_seed",
+                                "partition_uniform", "partition_balanced", "prefix_sum_inc", "see_memory_usage"],
     "deepspeed.runtime.base_optimizer": ["DeepSpeedOptimizer", "ZeROOptimizer"],
     "deepspeed.runtime.engine": ["DeepSpeedEngine"],
     "deepspeed.runtime.dataloader": ["RepeatingLoader"],
@@ -129,7 +131,13 @@ CLIENT_IMPORTS = {
     "deepspeed.launcher.runner": ["DEEPSPEED_ENVIRONMENT_NAME"],
     "deepspeed.checkpoint.utils": ["clone_tensors_for_torch_save"],
     "deepspeed.pipe": ["PipelineModule", "LayerSpec", "TiedLayerSpec"],
-    "deepspeed.runtime.pipe.topology": ["PipeModelDataParallelTopology", "ProcessTopology"],
+    "deepspeed.runtime.pipe": ["PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology"],
+    "deepspeed.runtime.pipe.topology": ["PipeModelDataParallelTopology", "ProcessTopology", "PipelineParallelGrid",
+                                        "_prime_factors"],
+    "deepspeed.runtime.pipe.module": ["PipelineModule"],
+    "deepspeed.utils.comms_logging": ["CommsLogger", "calc_bw_log", "convert_size"],
+    "deepspeed.utils.timer": ["trim_mean"],
+    "deepspeed.utils.torch": ["required_torch_version"],
     "deepspeed.runtime.pipe.schedule": ["TrainSchedule", "InferenceSchedule"],
     "deepspeed.moe.layer": ["MoE"],
     "deepspeed.moe.utils": ["split_params_into_different_moe_groups_for_optimizer", "is_moe_param"],
@@ -502,6 +510,20 @@ def test_cpu_optimizers_refuse_half_params_for_fp32_states():
     DeepSpeedCPUAdam(_params(dtype=torch.bfloat16), fp32_optimizer_states=False)
     with pytest.raises(ValueError, match="amsgrad"):
         DeepSpeedCPUAdagrad(_params(), amsgrad=True)
+
+
+def test_small_deepspeed_helpers():
+    proc = _run("""
+        import json, torch
+        from deepspeed.runtime.utils import prefix_sum_inc, partition_uniform
+        from deepspeed.runtime.pipe.topology import _prime_factors
+        from deepspeed.utils.torch import required_torch_version
+        print("OUT " + json.dumps([prefix_sum_inc([1, 2, 3]), _prime_factors(12), _prime_factors(13),
+                                   partition_uniform(10, 3), required_torch_version(min_version="1.0"),
+                                   required_torch_version(max_version="1.0")]))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert _line(proc.stdout, "OUT") == [[1, 3, 6], [2, 2, 3], [13], [0, 4, 7, 10], True, False]
 
 
 def test_tensor_helpers():

@@ -17,7 +17,10 @@ import sys
 ALIASES: dict[str, str] = {
     "deepspeed.zero": "deepspeed.runtime.zero",
     "deepspeed.pipe": "microspeed.pipe",
-    "deepspeed.runtime.pipe": "microspeed.pipe",
+    "deepspeed.runtime.pipe.module": "microspeed.pipe.module",
+    "deepspeed.runtime.pipe.schedule": "microspeed.pipe.schedule",
+    "deepspeed.runtime.pipe.p2p": "microspeed.pipe.p2p",
+    "deepspeed.utils.comms_logging": "microspeed.comm",
     "deepspeed.moe": "microspeed.moe",
     "deepspeed.checkpointing": "microspeed.checkpointing",
     "deepspeed.runtime.activation_checkpointing.checkpointing": "microspeed.checkpointing",
