@@ -78,30 +78,37 @@ def partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 
 def partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
-    """Boundaries of ``num_parts`` contiguous, non-empty parts minimising the heaviest part's weight.
+    """Boundaries (``num_parts + 1``) of contiguous parts, chosen by DeepSpeed 0.19.8's rule.
 
-    Exact dynamic programme (ties broken towards earlier boundaries); needs ``len(weights) >= num_parts``.
+    DeepSpeed's rule (``deepspeed.runtime.utils.partition_balanced``): among splits into non-empty
+    parts, take the one whose heaviest and lightest parts differ least (the spread, not the heaviest
+    part, is minimised), building it part by part; on a tie the later boundary wins. With no more
+    items than parts it is :func:`partition_uniform`. Same input, same boundaries as DeepSpeed, so
+    a pipeline splits its layers over the stages exactly as DeepSpeed's would.
     """
-    n = len(weights)
-    if n < num_parts:
-        raise ConfigError(f"PipelineModule: {n} layers cannot fill {num_parts} pipeline stages; use fewer stages.")
+    n, m = len(weights), num_parts
+    if n <= m:
+        return partition_uniform(n, m)
+    inf = float("inf")
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + float(w))
-    inf = float("inf")
-    # best[p][i]: the least max-weight splitting the first i items into p non-empty parts
-    best = [[inf] * (n + 1) for _ in range(num_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_parts + 1)]
-    best[0][0] = 0.0
-    for p in range(1, num_parts + 1):
-        for i in range(p, n - (num_parts - p) + 1):
-            for j in range(p - 1, i):
-                cost = max(best[p - 1][j], prefix[i] - prefix[j])
-                if cost < best[p][i] - 1e-12:
-                    best[p][i], cut[p][i] = cost, j
+    hi = [[inf] * (m + 1) for _ in range(n + 1)]  # heaviest part of the chosen split of i items into j parts
+    lo = [[inf] * (m + 1) for _ in range(n + 1)]  # its lightest part
+    spread = [[inf] * (m + 1) for _ in range(n + 1)]
+    where = [[0] * (m + 1) for _ in range(n + 1)]
+    hi[0][0] = spread[0][0] = 0.0
+    for i in range(1, n + 1):
+        for j in range(1, min(i, m) + 1):
+            for k in range(i):
+                part = prefix[i] - prefix[k]
+                top, bottom = max(hi[k][j - 1], part), min(lo[k][j - 1], part)
+                cost = top - bottom
+                if spread[i][j] >= cost:  # inf - inf is nan: never taken, as in numpy
+                    spread[i][j], hi[i][j], lo[i][j], where[i][j] = cost, top, bottom, k
     bounds = [n]
-    for p in range(num_parts, 0, -1):
-        bounds.append(cut[p][bounds[-1]])
+    for j in range(m, 0, -1):
+        bounds.append(where[bounds[-1]][j])
     return bounds[::-1]
 
 
@@ -208,10 +215,7 @@ class PipelineModule(nn.Module):
         if low == "uniform":
             return partition_uniform(n, parts)
         if low == "parameters":
-            weights = [_count_params(spec) for spec in self._layer_specs]
-            if not any(weights):
-                return partition_uniform(n, parts)
-            return partition_balanced(weights, parts)
+            return partition_balanced([_count_params(spec) for spec in self._layer_specs], parts)
         if low.startswith("type:"):
             regex = re.compile(method[5:], re.IGNORECASE)
             weights = [1 if regex.search(_layer_name(spec)) else 0 for spec in self._layer_specs]
