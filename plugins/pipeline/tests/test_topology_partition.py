@@ -208,8 +208,9 @@ def _check_bounds(bounds, n, parts):
 def _alexnet_layers() -> list:
     """DeepSpeedExamples' pipeline_parallelism AlexNet, joined into layers as its train.py does (meta device)."""
     with torch.device("meta"):
-        features = [nn.Conv2d(3, 64, 11, 4, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2), nn.Conv2d(64, 192, 5, padding=2),
-                    nn.ReLU(inplace=True), nn.MaxPool2d(3, 2), nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
+        features = [nn.Conv2d(3, 64, 11, 4, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+                    nn.Conv2d(64, 192, 5, padding=2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2),
+                    nn.Conv2d(192, 384, 3, padding=1), nn.ReLU(inplace=True),
                     nn.Conv2d(384, 256, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(256, 256, 3, padding=1),
                     nn.ReLU(inplace=True), nn.MaxPool2d(3, 2)]
         classifier = [nn.Dropout(), nn.Linear(256 * 6 * 6, 4096), nn.ReLU(inplace=True), nn.Dropout(),
@@ -350,7 +351,7 @@ def test_type_partition_balances_matching_layers():
     # modules and callables are matched by their class / function names
     specs = [nn.Linear(2, 2), lambda x: x, nn.Linear(2, 2), nn.Tanh(), nn.Tanh(), nn.Tanh()]
     assert PipelineModule(specs, num_stages=1, num_chunks=2, partition_method="type:tanh").parts == [0, 5, 6]
-    assert PipelineModule(specs, num_stages=1, num_chunks=2, partition_method="type:lambda").parts == [0, 5, 6]  # ties: later cut
+    assert PipelineModule(specs, num_stages=1, num_chunks=2, partition_method="type:lambda").parts == [0, 5, 6]
 
 
 def test_seed_layers_makes_weights_independent_of_partition_and_global_rng():
