@@ -49,6 +49,7 @@ from typing import Literal, NamedTuple
 
 __all__ = [
     "BackwardPass",
+    "BufferOpInstruction",
     "CommInstruction",
     "DeadlockError",
     "ForwardPass",
@@ -95,22 +96,27 @@ class PipeInstruction:
 
 
 @dataclass(frozen=True)
-class LoadMicroBatch(PipeInstruction):
+class BufferOpInstruction(PipeInstruction):
+    """Base of the instructions that work on a micro-batch's buffer slot (DeepSpeed's ``BufferOpInstruction``)."""
+
+
+@dataclass(frozen=True)
+class LoadMicroBatch(BufferOpInstruction):
     """Load the micro-batch from the data iterator: inputs on the first virtual stage, labels on the last."""
 
 
 @dataclass(frozen=True)
-class ForwardPass(PipeInstruction):
+class ForwardPass(BufferOpInstruction):
     """Run this chunk's forward on the micro-batch (the last virtual stage computes the loss too)."""
 
 
 @dataclass(frozen=True)
-class BackwardPass(PipeInstruction):
+class BackwardPass(BufferOpInstruction):
     """Run this chunk's backward on the micro-batch, from the loss or from the received output gradient."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class CommInstruction(PipeInstruction):
+class CommInstruction(BufferOpInstruction):
     """Base of the point-to-point instructions: ``peer`` is the other stage, ``peer_chunk`` its chunk."""
 
     peer: int
@@ -204,6 +210,21 @@ class PipeSchedule(abc.ABC):
     # -- topology -------------------------------------------------------------------------------------------
 
     @property
+    def num_micro_batches(self) -> int:
+        """The micro-batches of one batch (DeepSpeed's name)."""
+        return self.micro_batches
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline stages (DeepSpeed's name)."""
+        return self.stages
+
+    @property
+    def stage(self) -> int:
+        """This rank's stage id (DeepSpeed's name)."""
+        return self.stage_id
+
+    @property
     def is_first_stage(self) -> bool:
         """Whether this rank is pipeline stage 0."""
         return self.stage_id == 0
@@ -287,11 +308,10 @@ class PipeSchedule(abc.ABC):
                 step.append(SendGrad(**kw, peer=prev[0], peer_chunk=prev[1]))
         return step
 
-    def steps(self) -> Iterator[list[PipeInstruction]]:
-        """Yield, per time step, the instructions of the step (DeepSpeed's API).
+    def compact_steps(self) -> list[list[PipeInstruction]]:
+        """The program the runtime executes: one step per pass, its loads and receives before it, sends after.
 
-        A step is one forward or backward pass with the loads and receives before it and the sends after it;
-        a training schedule ends with a step of :class:`ReduceTiedGrads`, :class:`ReduceGrads` and
+        A training schedule ends with a step of :class:`ReduceTiedGrads`, :class:`ReduceGrads` and
         :class:`OptimizerStep`.
         """
         if self._steps is None:
@@ -299,15 +319,28 @@ class PipeSchedule(abc.ABC):
             if self.is_training:
                 built.append([ReduceTiedGrads(), ReduceGrads(), OptimizerStep()])
             self._steps = built
-        for step in self._steps:
-            yield list(step)
+        return [list(step) for step in self._steps]
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        """Yield, per time step, the instructions of the step (DeepSpeed's API).
+
+        Schedules DeepSpeed also has (:class:`TrainSchedule`, :class:`InferenceSchedule` with one chunk)
+        yield DeepSpeed's time steps (see their ``steps``); the others yield :meth:`compact_steps`.
+        """
+        yield from self.compact_steps()
 
     def __iter__(self) -> Iterator[list[PipeInstruction]]:
         return self.steps()
 
     def instructions(self) -> list[PipeInstruction]:
-        """All the instructions of :meth:`steps`, in order, as one list."""
-        return [instr for step in self.steps() for instr in step]
+        """The runtime's program (:meth:`compact_steps`) as one list, in execution order."""
+        return [instr for step in self.compact_steps() for instr in step]
+
+    def _kw(self, micro_batch: int) -> dict[str, int]:
+        return {"micro_batch": micro_batch, "chunk": 0, "buffer_id": self._buffer(micro_batch, 0)}
+
+    def _valid(self, micro_batch: int) -> bool:
+        return 0 <= micro_batch < self.micro_batches
 
     def __repr__(self) -> str:
         extra = f", chunks={self.chunks}" if self.chunks > 1 else ""
@@ -335,6 +368,48 @@ class TrainSchedule(PipeSchedule):
         order += [_Op("B", i, 0) for i in range(m - w, m)]
         return order
 
+    def _step_to_micro_batch(self, step_id: int) -> tuple[int, bool]:
+        """DeepSpeed's clock: (micro-batch, is_forward) of time step ``step_id`` on this stage."""
+        s, half = self.stage_id, step_id // 2
+        if step_id % 2 == s % 2:  # forward slots
+            return (half if step_id % 2 == 0 else (step_id - 1) // 2) - s // 2, True
+        if step_id % 2 == 0:  # even step, odd stage: backward
+            return half - self.stages + (s + 1) // 2, False
+        return (step_id - 1) // 2 - self.stages + 1 + s // 2, False
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        """DeepSpeed's time steps: ``2 * (micro_batches + stages - 1)`` of them, forward and backward slots
+        alternating (some empty), each as DeepSpeed's ``TrainSchedule`` fills it: a forward slot sends the
+        previous backward's input gradient and receives, a backward slot receives the output gradient and
+        sends the previous forward's activation; the last step reduces and steps. The passes come in the
+        same order as :meth:`instructions` (the runtime's compact program), which runs sends right after
+        their pass instead of one slot later.
+        """
+        total = 2 * (self.micro_batches + self.stages - 1)
+        first, last = self.stage_id == 0, self.stage_id == self.stages - 1
+        prev_mb = -1
+        for step_id in range(total):
+            mb, forward = self._step_to_micro_batch(step_id)
+            cmds: list[PipeInstruction] = []
+            if forward:
+                if self._valid(prev_mb) and not first:
+                    cmds.append(SendGrad(**self._kw(prev_mb), peer=self.stage_id - 1))
+                if self._valid(mb) and not first:
+                    cmds.append(RecvActivation(**self._kw(mb), peer=self.stage_id - 1))
+            else:
+                if self._valid(mb) and not last:
+                    cmds.append(RecvGrad(**self._kw(mb), peer=self.stage_id + 1))
+                if self._valid(prev_mb) and not last:
+                    cmds.append(SendActivation(**self._kw(prev_mb), peer=self.stage_id + 1))
+            if (first or last) and forward and self._valid(mb):
+                cmds.append(LoadMicroBatch(**self._kw(mb)))
+            if self._valid(mb):
+                cmds.append((ForwardPass if forward else BackwardPass)(**self._kw(mb)))
+            if step_id == total - 1:
+                cmds += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+            prev_mb = mb
+            yield cmds
+
 
 class GPipeSchedule(PipeSchedule):
     """GPipe training: every forward, then every backward (in the same order); holds all micro-batches."""
@@ -361,6 +436,28 @@ class InferenceSchedule(PipeSchedule):
 
     def _compute_order(self) -> list[_Op]:
         return [_Op("F", i, c) for i in range(self.micro_batches) for c in range(self.chunks)]
+
+    def steps(self) -> Iterator[list[PipeInstruction]]:
+        """With one chunk, DeepSpeed's time steps: ``micro_batches + stages - 1``, stage ``s`` forwarding
+        micro-batch ``step - s`` and sending the previous one's activation (even stages send before they
+        receive, odd stages after), first and last stages loading. Interleaved: :meth:`compact_steps`.
+        """
+        if self.chunks > 1:
+            yield from self.compact_steps()
+            return
+        first, last, even = self.stage_id == 0, self.stage_id == self.stages - 1, self.stage_id % 2 == 0
+        for step_id in range(self.micro_batches + self.stages - 1):
+            mb = step_id - self.stage_id
+            cmds: list[PipeInstruction] = []
+            if (first or last) and self._valid(mb):
+                cmds.append(LoadMicroBatch(**self._kw(mb)))
+            send = [SendActivation(**self._kw(mb - 1), peer=self.stage_id + 1)] \
+                if not last and self._valid(mb - 1) else []
+            recv = [RecvActivation(**self._kw(mb), peer=self.stage_id - 1)] if not first and self._valid(mb) else []
+            cmds += send + recv if even else recv + send
+            if self._valid(mb):
+                cmds.append(ForwardPass(**self._kw(mb)))
+            yield cmds
 
 
 class InterleavedTrainSchedule(PipeSchedule):

@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 from microspeed_pipeline.schedule import (
     BackwardPass,
+    BufferOpInstruction,
     CommInstruction,
     DeadlockError,
     ForwardPass,
@@ -86,7 +87,9 @@ def check_program(sched: PipeSchedule, training: bool) -> None:
     """Per-rank invariants shared by every schedule."""
     p, m, v, s = sched.stages, sched.micro_batches, sched.chunks, sched.stage_id
     instrs = sched.instructions()
-    assert instrs == [i for step in sched.steps() for i in step]
+    assert instrs == [i for step in sched.compact_steps() for i in step]
+    shown = [i for step in sched.steps() for i in step]  # DeepSpeed's time steps: the same instructions
+    assert Counter(map(repr, shown)) == Counter(map(repr, instrs))
     fwd = [(i.chunk, i.micro_batch) for i in instrs if isinstance(i, ForwardPass)]
     bwd = [(i.chunk, i.micro_batch) for i in instrs if isinstance(i, BackwardPass)]
     expected = sorted((c, mb) for c in range(v) for mb in range(m))
@@ -195,7 +198,8 @@ def test_gpipe_and_inference_schedules(p: int, m: int) -> None:
         inference = InferenceSchedule(m, p, s)
         check_program(inference, training=False)
         assert inference.num_pipe_buffers() == 1
-        assert len(list(inference.steps())) == m
+        assert len(list(inference.compact_steps())) == m
+        assert len(list(inference.steps())) == m + p - 1  # DeepSpeed's clock
 
 
 @pytest.mark.parametrize(("p", "m", "v"), INTERLEAVED_GRID)
@@ -238,7 +242,39 @@ def test_train_schedule_program_two_stages() -> None:
     assert last.instructions()[:5] == [
         RecvActivation(0, peer=0), LoadMicroBatch(0), ForwardPass(0), BackwardPass(0), SendGrad(0, peer=0),
     ]
-    assert len(list(first.steps())) == 2 * 3 + 1
+    assert len(first.compact_steps()) == 2 * 3 + 1
+    assert len(list(first.steps())) == 2 * (3 + 2 - 1)  # DeepSpeed's clock: 8 slots, the last one reduces
+    assert [[i.name for i in step] for step in last] == [
+        [], ["RecvActivation", "LoadMicroBatch", "ForwardPass"], ["BackwardPass"],
+        ["SendGrad", "RecvActivation", "LoadMicroBatch", "ForwardPass"], ["BackwardPass"],
+        ["SendGrad", "RecvActivation", "LoadMicroBatch", "ForwardPass"], ["BackwardPass"],
+        ["SendGrad", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]]
+
+
+@pytest.fixture(scope="module")
+def ds_schedule():
+    """DeepSpeed 0.19.8's schedule module (skipped when DeepSpeed cannot be imported)."""
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return pytest.importorskip("deepspeed.runtime.pipe.schedule")
+
+
+def test_train_and_inference_steps_are_deepspeeds(ds_schedule) -> None:
+    """Per time step, the same instruction kinds as DeepSpeed's TrainSchedule / InferenceSchedule, same count."""
+    for m in range(1, 10):
+        for p in range(1, 6):
+            for s in range(p):
+                for ours, theirs in ((TrainSchedule(m, p, s), ds_schedule.TrainSchedule(m, p, s)),
+                                     (InferenceSchedule(m, p, s), ds_schedule.InferenceSchedule(m, p, s))):
+                    mine = [[i.name for i in step] for step in ours]
+                    assert mine == [[type(i).__name__ for i in step] for step in theirs], (ours, m, p, s)
+                    assert (ours.num_micro_batches, ours.num_stages, ours.stage) == (m, p, s)
+                    for step in ours:
+                        for i in step:
+                            if isinstance(i, BufferOpInstruction):
+                                assert 0 <= i.buffer_id < ours.num_pipe_buffers()
+    assert len(list(TrainSchedule(4, 3, 0))) == 12  # was 9 (one step per pass) before DeepSpeed's clock
 
 
 # -- simulation: deadlock freedom, matching, bubble ----------------------------------------------------------
