@@ -178,6 +178,36 @@ def test_every_mapped_module_imports_from_microspeed():
     assert _line(proc.stdout, "REAL") == []
 
 
+#: Attribute chains clients evaluate after a bare ``import deepspeed`` (DeepSpeed imports its submodules eagerly).
+CLIENT_CHAINS = ["deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES", "deepspeed.utils.logging.logger.setLevel",
+                 "deepspeed.zero.GatheredParameters", "deepspeed.zero.Init",
+                 "deepspeed.runtime.zero.GatheredParameters",
+                 "deepspeed.runtime.engine.DeepSpeedEngine", "deepspeed.checkpointing.configure",
+                 "deepspeed.checkpointing.checkpoint", "deepspeed.comm.get_rank", "deepspeed.utils.is_initialized",
+                 "deepspeed.DeepSpeedEngine.backward", "deepspeed.ops.adam.DeepSpeedCPUAdam",
+                 "deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint",
+                 "deepspeed.runtime.zero.partition_parameters._orig_torch_arange",
+                 "deepspeed.accelerator.real_accelerator.get_accelerator", "deepspeed.moe.layer.MoE",
+                 "deepspeed.runtime.utils.move_to_device", "deepspeed.checkpoint.utils.clone_tensors_for_torch_save"]
+
+
+def test_attribute_chains_after_a_bare_import():
+    proc = _run(f"""
+        import json
+        import deepspeed
+        bad = []
+        for chain in {CLIENT_CHAINS!r}:
+            try:
+                eval(chain)
+            except Exception as e:
+                bad.append(f"{{chain}}: {{type(e).__name__}}: {{e}}")
+        print("OUT " + json.dumps(bad))
+    """, report_real=True)
+    assert proc.returncode == 0, proc.stderr
+    assert _line(proc.stdout, "OUT") == []
+    assert _line(proc.stdout, "REAL") == []
+
+
 def test_zero_names_follow_the_zero_plugin():
     """ZeRO-3 helpers (leaf modules, external parameters) resolve lazily, exactly when microspeed.zero has them."""
     names = ["set_z3_leaf_modules", "get_z3_leaf_modules", "unset_z3_leaf_modules", "register_external_parameter",
@@ -582,3 +612,42 @@ def test_standin_metadata_matches_its_pyproject():
     meta = (Path(STANDIN) / "deepspeed-0.19.8+microspeed.dist-info" / "METADATA").read_text()
     assert 'name = "deepspeed"' in pyproject and f'version = "{standin.STANDIN_VERSION}"' in pyproject
     assert "Name: deepspeed\n" in meta and f"Version: {standin.STANDIN_VERSION}\n" in meta
+
+
+ZERO_TO_FP32_ON_DEEPSPEED = """
+import json, sys, torch
+import deepspeed  # real DeepSpeed writes the checkpoint (plain microspeed beside it is allowed)
+from deepspeed.utils import zero_to_fp32 as ds_z
+from microspeed import zero_to_fp32 as ms_z
+root = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "steps_per_print": 1000,
+       "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+for step in range(2):
+    g = torch.Generator().manual_seed(step)
+    engine.backward(engine(torch.randn(2, 7, generator=g)).pow(2).mean())
+    engine.step()
+engine.save_checkpoint(root)
+theirs = ds_z.get_fp32_state_dict_from_zero_checkpoint(root)
+ours = ms_z.get_fp32_state_dict_from_zero_checkpoint(root)
+print("OUT " + json.dumps({"keys": [list(theirs), list(ours)],
+                           "equal": [torch.equal(theirs[k].float(), ours[k]) for k in theirs]}))
+"""
+
+
+@needs_real_deepspeed
+@pytest.mark.slow
+def test_zero_to_fp32_reads_a_deepspeed_checkpoint_as_deepspeed_does(tmp_path):
+    """On a checkpoint real DeepSpeed wrote (ZeRO-2), microspeed's function returns DeepSpeed's own result."""
+    script = tmp_path / "ds.py"
+    script.write_text(ZERO_TO_FP32_ON_DEEPSPEED)
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(__import__("microspeed.testing").testing.free_port())}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True,
+                          env=env, timeout=480, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = _line(proc.stdout, "OUT")
+    assert out["keys"][0] == out["keys"][1] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert out["equal"] == [True] * 4

@@ -100,15 +100,12 @@ def _parse_version(version_str: str) -> tuple[int, int, int]:
     return int(found[1]), int(found[2]), int(found[3])
 
 
-_SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "comm", "launcher", "moe", "ops", "pipe", "profiling",
-               "runtime", "utils", "zero")
-
-
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in _SUBMODULES:
-        return importlib.import_module(f"deepspeed.{name}")
+    found = _aliases.submodule("deepspeed", name)
+    if found is not None:
+        return found
     if name in ("DeepSpeedOptimizer", "ZeROOptimizer"):
         return getattr(importlib.import_module("deepspeed.runtime.base_optimizer"), name)
     if name in ("PipelineModule", "LayerSpec", "TiedLayerSpec"):

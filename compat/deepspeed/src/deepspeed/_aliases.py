@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 
 #: DeepSpeed module path -> the microspeed module that implements it.
@@ -66,6 +67,22 @@ class AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):  # noqa: D102 - importlib protocol
         module.__spec__ = module.__spec__.loader_state[1]  # give the module back its own spec
+
+
+def submodule(package: str, name: str) -> object | None:
+    """``package.name`` imported when it is a module of the stand-in (a file or an alias), else ``None``.
+
+    Packages call it from their ``__getattr__``, so ``deepspeed.runtime.lr_schedules.X`` works after a
+    plain ``import deepspeed``, as it does with DeepSpeed (which imports its submodules eagerly).
+    """
+    if name.startswith("__"):
+        return None
+    full = f"{package}.{name}"
+    if full in sys.modules:
+        return sys.modules[full]
+    if target_of(full) is None and importlib.util.find_spec(full) is None:
+        return None
+    return importlib.import_module(full)
 
 
 def install() -> None:

@@ -1,5 +1,9 @@
 """``deepspeed.accelerator``: :func:`microspeed.accelerator.get_accelerator` (CPU or CUDA)."""
 
+from __future__ import annotations
+
+from typing import Any
+
 from microspeed.accelerator import Accelerator, get_accelerator, set_accelerator
 
 
@@ -9,3 +13,12 @@ def is_current_accelerator_supported() -> bool:
 
 
 __all__ = ["Accelerator", "get_accelerator", "is_current_accelerator_supported", "set_accelerator"]
+
+
+def __getattr__(name: str) -> Any:
+    from deepspeed import _aliases
+
+    found = _aliases.submodule(__name__, name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} (microspeed stand-in) has no attribute {name!r}")
+    return found

@@ -60,4 +60,9 @@ def has_all_reduce_coalesced() -> bool:
 def __getattr__(name: str) -> Any:
     if name in TORCH_NAMES:
         return getattr(_dist, name)
+    from deepspeed import _aliases
+
+    found = _aliases.submodule(__name__, name)
+    if found is not None:
+        return found
     raise AttributeError(f"module 'deepspeed.comm' (microspeed stand-in) has no attribute {name!r}")

@@ -8,8 +8,9 @@ __all__ = ["adagrad", "adam", "lamb", "lion", "sparse_attention"]
 
 
 def __getattr__(name: str) -> Any:
-    import importlib
+    from deepspeed import _aliases
 
-    if name in __all__:
-        return importlib.import_module(f"deepspeed.ops.{name}")
+    found = _aliases.submodule(__name__, name)
+    if found is not None:
+        return found
     raise AttributeError(f"module 'deepspeed.ops' (microspeed stand-in) has no attribute {name!r}")

@@ -1,1 +1,14 @@
 """``deepspeed.runtime``: the engine, ZeRO, LR schedules, pipeline and activation checkpointing, from microspeed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    from deepspeed import _aliases
+
+    found = _aliases.submodule(__name__, name)
+    if found is None:
+        raise AttributeError(f"module {__name__!r} (microspeed stand-in) has no attribute {name!r}")
+    return found

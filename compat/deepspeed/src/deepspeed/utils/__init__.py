@@ -30,8 +30,11 @@ def is_initialized() -> bool:
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name == "zero_to_fp32":
-        return importlib.import_module("deepspeed.utils.zero_to_fp32")
+    from deepspeed import _aliases
+
+    found = _aliases.submodule(__name__, name)
+    if found is not None:
+        return found
     if name in ZERO_NAMES:
         zero = importlib.import_module("microspeed.zero")
         try:

@@ -12,8 +12,11 @@ from typing import Any
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name == "partition_parameters":
-        return importlib.import_module("deepspeed.runtime.zero.partition_parameters")
+    from deepspeed import _aliases
+
+    found = _aliases.submodule(__name__, name)
+    if found is not None:
+        return found
     if name.startswith("__"):
         raise AttributeError(name)
     zero = importlib.import_module("microspeed.zero")
