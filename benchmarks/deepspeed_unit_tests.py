@@ -24,11 +24,18 @@ What it does:
   ``DS_ACCELERATOR=cpu``) and skips a test when ``get_accelerator().device_count()`` is below its world size;
   the CPU accelerator's count is ``LOCAL_SIZE``, set here to ``--max-world-size`` (4: the largest world size
   these files use), so every world size up to it runs. ``OMP_NUM_THREADS=1`` in every process.
+* **Start-up**: the plugin sets ``multiprocessing.set_forkserver_preload`` to torch, ``deepspeed`` and the
+  harness modules (and ``torch._dynamo``, which the first torch optimizer imports), so each rank forks from a
+  server that imported them once (without it every rank of
+  every test imports torch and deepspeed again: about 20 s a test on a busy 2-core machine).
 * **Timeouts**: each test gets ``--timeout`` seconds (pytest-timeout, ``thread`` method: a hung test dumps
   its stacks and ends the pytest process, since DeepSpeed's pool teardown would wait forever on a hung
   worker). The runner then kills the process group (the forked ranks included), records that test as
   ``timeout`` and restarts the file without the tests already done. A file whose pytest shows no progress
   for ``--timeout`` + 120 s is handled the same way.
+* **Ops**: before a real run, DeepSpeed's CPU ops the tests load (:data:`PREBUILD_OPS`) are JIT-built once,
+  outside any test's timeout (``--no-prebuild`` skips it); a build killed half-way leaves a ``lock`` file in
+  ``~/.cache/torch_extensions/py311_cpu/<op>/`` that makes every later load wait forever: delete it.
 * **Files run one by one** (``-p no:cacheprovider``, no ``-x``); per-test outcomes come from the plugin's
   log (``passed``, ``failed``, ``error`` = setup/teardown failure, ``skipped``, ``timeout``, ``xfailed``,
   ``xpassed``; a file that fails to import counts as one ``collect-error``).
@@ -119,7 +126,15 @@ def _first_line(report):
 
 
 def pytest_configure(config):
+    import multiprocessing
+
     import deepspeed
+
+    # DeepSpeed's DistributedTest forks every rank from a forkserver that by default imports only __main__:
+    # each rank of each test would import torch and deepspeed afresh (about 20 s a test on a busy 2-core
+    # machine). Preloading them in the forkserver makes a rank's start a fork; what the ranks run is unchanged.
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "deepspeed", "deepspeed.comm", "unit.common",
+                                            "unit.simple_model", "unit.util"])
 
     file = os.path.realpath(deepspeed.__file__ or "")
     _emit(event="deepspeed", file=file, version=getattr(deepspeed, "__version__", "?"))
@@ -210,6 +225,30 @@ def mode_env(mode: str, workdir: Path, standin: Path, max_world_size: int) -> di
     return env
 
 
+#: DeepSpeed ops the tests JIT-compile on CPU; built once before a real run, outside any test's timeout.
+PREBUILD_OPS = ("FusedAdamBuilder", "CPUAdamBuilder")
+
+
+def prebuild_ops(env: dict[str, str], timeout: int = 1800) -> None:
+    """Build DeepSpeed's CPU ops once (torch cpp-extension cache) so no test spends its timeout compiling.
+
+    A build killed half-way (a test timed out while compiling) leaves ``~/.cache/torch_extensions/py311_cpu/
+    <op>/lock`` behind and every later load of that op waits on it forever: this step then times out and
+    says which lock to delete.
+    """
+    code = ("import time\nfrom deepspeed.accelerator import get_accelerator\n"
+            f"for name in {PREBUILD_OPS!r}:\n"
+            "    t = time.time(); get_accelerator().create_op_builder(name).load()\n"
+            "    print(f'{name} ready in {time.time() - t:.0f} s', flush=True)\n")
+    try:
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+        print("\n".join(ln for ln in res.stdout.splitlines() if "ready in" in ln) or res.stderr[-2000:], flush=True)
+    except subprocess.TimeoutExpired:
+        cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+        locks = sorted(str(p) for p in cache.glob("*/*/lock"))
+        print(f"building DeepSpeed's ops took over {timeout} s; a stale lock from a killed build? {locks}", flush=True)
+
+
 def _read_log(log: Path) -> list[dict]:
     if not log.exists():
         return []
@@ -276,7 +315,7 @@ def run_file(test_file: str, workdir: Path, env: dict[str, str], timeout: int, k
                 info.setdefault("deepspeed_file", ev["file"])
                 info.setdefault("deepspeed_version", ev["version"])
             elif kind == "collect-error":
-                collect_errors.append({"nodeid": ev["nodeid"], "message": ev["message"]})
+                collect_errors.append({"nodeid": ev["nodeid"], "message": ev["message"].removeprefix("E   ")})
             elif kind == "start":
                 started = ev["nodeid"]
             elif kind == "result":
@@ -455,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-world-size", type=int, default=4, help="LOCAL_SIZE: tests needing more ranks skip")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output path without suffix (.json, .md)")
     ap.add_argument("--report-only", action="store_true", help="only re-render the Markdown from the JSON")
+    ap.add_argument("--no-prebuild", action="store_true", help="do not build DeepSpeed's CPU ops first")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the extracted tests and the pytest logs")
     args = ap.parse_args(argv)
 
@@ -489,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for mode in modes:
         env = mode_env(mode, tmp, args.standin.resolve(), args.max_world_size)
+        if mode == "real" and not args.no_prebuild:
+            prebuild_ops(env)
         log_dir = tmp / f"logs_{mode}"
         log_dir.mkdir()
         prev = data["modes"].get(mode, {})
@@ -516,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
                 status = 1
             # save after every file: a long run interrupted keeps what it measured
             mdata["wall_s"] = round(time.time() - t0, 1)
+            # another run (the other mode) may have written meanwhile: take its results, replace only ours
+            if json_path.exists():
+                data["modes"] = {**json.loads(json_path.read_text())["modes"], mode: mdata}
             data["modes"][mode] = mdata
             args.out.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
