@@ -154,13 +154,17 @@ class PipelineModule(nn.Module):
         seed_layers / seed_fn / base_seed: seed the RNG with ``base_seed + layer index`` before
             building each layer, so a layer's initial weights do not depend on the partition.
         num_chunks: model chunks per rank (virtual stages) for the interleaved schedule.
+        dynamic_shape: as DeepSpeed's: activations and gradients may change shape (or dtype) from one
+            micro-batch to the next, so every transfer sends its shape header first (a small extra
+            message per micro-batch). Without it shapes are agreed once per batch and may change only
+            between batches (a change inside a batch raises and names this argument).
     """
 
     def __init__(self, layers: Sequence[Any], num_stages: int | None = None, topology: ProcessTopology | None = None,
                  loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
                  base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable | None = None, checkpointable_layers: list[str] | None = None,
-                 num_chunks: int = 1) -> None:
+                 num_chunks: int = 1, dynamic_shape: bool = False) -> None:
         super().__init__()
         if num_stages is None and topology is None:
             raise ConfigError("PipelineModule: give num_stages=... or topology=....")
@@ -186,6 +190,7 @@ class PipelineModule(nn.Module):
         self.num_stages = topology.get_dim("pipe")
         self.stage_id = self._grid.get_stage_id()
         self.num_chunks = num_chunks
+        self.dynamic_shape = bool(dynamic_shape)
         self.loss_fn = loss_fn
         self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
         self.activation_checkpoint_interval = activation_checkpoint_interval

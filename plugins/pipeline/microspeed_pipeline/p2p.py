@@ -4,7 +4,8 @@ An activation is a tensor or a tuple of tensors. Before the first transfer of ea
 channel (``(peer, kind)``), the sender sends a small header — for each tensor its dtype, whether
 it needs a gradient, and its shape — so the receiver can allocate; the rest of the batch reuses
 it, and the next batch negotiates again (so shapes may change from batch to batch). Within one
-batch every micro-batch must have the same shapes (a clear error otherwise).
+batch every micro-batch must have the same shapes (a clear error otherwise), unless the module
+was built with ``dynamic_shape=True`` (DeepSpeed's argument): then every transfer sends its header.
 
 Sends are non-blocking (``isend``; their handles are kept, with the tensors, until
 :meth:`P2P.wait_all` at the end of the batch); receives block. Every message carries a distinct
@@ -71,8 +72,9 @@ def _meta_of(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.dtype, bool,
 class P2P:
     """Sends and receives one rank's activations and gradients; see the module docstring."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, dynamic_shape: bool = False) -> None:
         self.device = device
+        self.dynamic_shape = dynamic_shape  # a shape header before every transfer, not once per batch
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.sent_meta: dict[tuple[int, str], list] = {}
         self.recv_meta: dict[tuple[int, str], list] = {}
@@ -93,21 +95,22 @@ class P2P:
         tensors = as_tuple(x)
         meta = _meta_of(tensors)
         key = (dst, kind)
-        if key not in self.sent_meta:
+        if key not in self.sent_meta or self.dynamic_shape:
             self._isend(encode_meta(tensors), dst, _tag(kind, chunk, micro_batch, 255))
             self.sent_meta[key] = meta
         elif self.sent_meta[key] != meta:
             raise ValueError(f"pipeline: micro-batch {micro_batch} sends {kind} of shapes "
                              f"{[m[2] for m in meta]} to rank {dst}, but this batch started with "
                              f"{[m[2] for m in self.sent_meta[key]]}; all micro-batches of one batch must have the "
-                             f"same shapes (they may change between batches).")
+                             f"same shapes (they may change between batches; PipelineModule(dynamic_shape=True) "
+                             f"lets them change per micro-batch).")
         for i, t in enumerate(tensors):
             self._isend(t.detach(), dst, _tag(kind, chunk, micro_batch, i))
 
     def recv(self, src: int, kind: str, chunk: int, micro_batch: int) -> tuple[torch.Tensor, ...]:
         """Receive what :meth:`send` sent from global rank ``src`` (blocking); activations keep ``requires_grad``."""
         key = (src, kind)
-        if key not in self.recv_meta:
+        if key not in self.recv_meta or self.dynamic_shape:
             header = torch.zeros(_HEADER, dtype=torch.int64)
             dist.recv(header, src=src, tag=_tag(kind, chunk, micro_batch, 255))
             self.recv_meta[key] = decode_meta(header)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from microspeed import comm
-from microspeed.config import Field, Section
+from microspeed.config import Field, Section, non_negative
 from microspeed.errors import ConfigError
 from microspeed.hookspecs import hookimpl
 from microspeed.topology import Topology
@@ -35,6 +35,19 @@ from microspeed_pipeline.topology import ParallelGrid, get_default_grid
 SCHEDULES = (None, "1f1b", "interleaved", "gpipe")
 """Values of ``pipeline.schedule``: ``null`` (the default) is ``interleaved`` for a module with ``num_chunks > 1``,
 else ``1f1b``."""
+
+
+#: DeepSpeed's ``pipeline`` keys that are accepted with a notice (DeepSpeed 0.19.8 does not act on the first
+#: three either: the PipelineModule's own arguments decide).
+PIPELINE_NOTICES = {
+    "stages": "the PipelineModule's num_stages/topology decide the stages (DeepSpeed reads them there too)",
+    "partition": "PipelineModule(partition_method=...) decides the split (DeepSpeed reads it there too)",
+    "seed_layers": "PipelineModule(seed_layers=...) decides it (DeepSpeed reads it there too)",
+    "pipe_partitioned": "activations go to the next stage whole; DeepSpeed splits them over tensor-parallel ranks "
+                        "only to save bandwidth, with the same result",
+    "grad_partitioned": "gradients go to the previous stage whole; DeepSpeed splits them over tensor-parallel ranks "
+                        "only to save bandwidth, with the same result",
+}
 
 
 class PipelinePlugin:
@@ -53,7 +66,12 @@ class PipelinePlugin:
             "schedule": Field((str, type(None)), None, "pipeline schedule: 1f1b, interleaved (num_chunks > 1) or "
                               "gpipe (all forwards, then all backwards); null: interleaved when num_chunks > 1, "
                               "else 1f1b", choices=SCHEDULES),
-        }, doc="microspeed-pipeline: the schedule of a PipelineModule")}
+            "activation_checkpoint_interval": Field((int,), 0, "as DeepSpeed's: when > 0, overrides the "
+                                                    "PipelineModule's activation_checkpoint_interval",
+                                                    check=non_negative),
+            "use_reentrant": Field((bool, type(None)), None, "as DeepSpeed's: false makes the PipelineModule "
+                                   "checkpoint with non_reentrant_checkpoint"),
+        }, doc="microspeed-pipeline: the schedule of a PipelineModule", notices=PIPELINE_NOTICES)}
 
     @hookimpl
     def microspeed_make_topology(self, world_size: int, mpu: Any, model: torch.nn.Module) -> Topology | None:
@@ -93,6 +111,13 @@ class PipelinePlugin:
                               f"backward, which the pipeline schedule interleaves across micro-batches); set "
                               f"zero_optimization.stage to 1.")
         self._check_zero(config, stage)
+        section = config["pipeline"]
+        if section["activation_checkpoint_interval"] > 0:  # as DeepSpeed's PipelineEngine
+            self.module.activation_checkpoint_interval = section["activation_checkpoint_interval"]
+        if section["use_reentrant"] is False:
+            from microspeed_pipeline.checkpointing import non_reentrant_checkpoint
+
+            self.module.activation_checkpoint_func = non_reentrant_checkpoint
         if self.module.num_chunks > 1 and config["pipeline"]["schedule"] not in (None, "interleaved"):
             raise ConfigError(f"pipeline.schedule={config['pipeline']['schedule']!r}: the PipelineModule has "
                               f"num_chunks={self.module.num_chunks}, which only the 'interleaved' schedule runs.")

@@ -44,7 +44,7 @@ class PipelineRuntime:
         self.stage_id = module.stage_id
         self.chunks = module.num_chunks
         self.schedule_name = schedule
-        self.p2p = P2P(engine.device)
+        self.p2p = P2P(engine.device, dynamic_shape=getattr(module, "dynamic_shape", False))
         self.timings: dict[str, float] = {}
         self.running = False
         self._proven: set[tuple[int, int]] = set()
@@ -114,7 +114,9 @@ class PipelineRuntime:
                 inputs = inputs.to(self.engine.device)
             x = inputs
         else:
-            received = self.inputs[(chunk, mb)]
+            # a received activation that needs a gradient is a leaf: clone it (as DeepSpeed does) so a first
+            # layer that works in place (ReLU(inplace=True)) may write into it; its .grad still comes back
+            received = tuple(t.clone() if t.requires_grad else t for t in self.inputs[(chunk, mb)])
             x = received if len(received) > 1 else received[0]
         engine = self.engine
         engine.ctx = ctx = StepContext(args=(x,), boundary=True)
