@@ -217,6 +217,46 @@ def test_one_cycle_lr_and_adam_momentum():
     assert sched.get_last_lr() == pytest.approx([lo])
 
 
+def test_one_cycle_get_mom_is_beta_pairs_per_group():
+    """As DeepSpeed's: get_mom() gives (beta1, beta2) per group for Adam-style optimizers; beta2 is the group's."""
+    param = torch.nn.Parameter(torch.zeros(2))
+    other = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([{"params": [param]}, {"params": [other], "betas": (0.5, 0.95)}], lr=0.1)
+    sched = OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=4, cycle_min_mom=[0.8, 0.85],
+                     cycle_max_mom=[0.9, 0.95])
+    assert sched.get_mom() == [(0.9, 0.999), (0.95, 0.95)]  # batch -1: the top of the momentum cycle
+    sched.step(3)  # the peak of the lr, the bottom of momentum
+    assert sched.get_mom() == [pytest.approx((0.8, 0.999)), pytest.approx((0.85, 0.95))]
+    assert [g["betas"] for g in opt.param_groups] == sched.get_mom()
+    assert all(isinstance(m, tuple) for m in sched.get_mom())
+
+
+@pytest.mark.parametrize("cls", ["WarmupLR", "WarmupCosineLR"])
+def test_unknown_warmup_type_falls_back_to_log_with_a_warning(cls, caplog, ds):
+    """DeepSpeed warns and uses 'log' for an unknown warmup_type; so do we (the same lrs step by step)."""
+    params = {"warmup_num_steps": 10} | ({"total_num_steps": 30} if cls == "WarmupCosineLR" else {})
+    ours_opt, ref_opt, log_opt = make_opt(), make_opt(), make_opt()
+    with caplog.at_level("WARNING", logger="microspeed.builtin.lr_schedules"):
+        ours = build_scheduler(ours_opt, {"type": cls, "params": {**params, "warmup_type": "cosine"}})
+    assert ours.warmup_type == "log"
+    assert "unknown warmup_type 'cosine'" in caplog.text and "'log'" in caplog.text
+    ref = getattr(ds, cls)(ref_opt, **params, warmup_type="cosine")
+    log = getattr(ds, cls)(log_opt, **params, warmup_type="log")
+    for t in range(15):
+        for s in (ours, ref, log):
+            s.step()
+        assert lrs(ours_opt) == pytest.approx(lrs(ref_opt), rel=1e-12) == lrs(log_opt), t
+
+
+def test_deepspeed_module_names(ds):
+    """The public constants DeepSpeed's lr_schedules module has (clients test configs against them)."""
+    import microspeed.builtin.lr_schedules as ours
+
+    assert ours.VALID_LR_SCHEDULES == ds.VALID_LR_SCHEDULES
+    for name in [n for n in dir(ds) if n.isupper() and isinstance(getattr(ds, n), str)]:
+        assert getattr(ours, name) == getattr(ds, name), name
+
+
 def test_one_cycle_sgd_momentum_no_decay_and_defaults():
     opt = make_opt("sgd")
     sched = OneCycle(opt, 0.0, 1.0, cycle_first_step_size=10)
@@ -358,7 +398,6 @@ def test_factory_missing_required_parameter():
     ("params", "key", "value", "accepted"),
     [
         ({"warmup_num_steps": -5}, "warmup_num_steps", "-5", "integer >= 1"),
-        ({"warmup_type": "cosine"}, "warmup_type", "'cosine'", "'log', 'linear'"),
         ({"warmup_max_lr": "0.1"}, "warmup_max_lr", "'0.1'", "number >= 0"),
         ({"warmup_max_lr": [0.1, 0.2, 0.3]}, "warmup_max_lr", "3 values", "one value per param group"),
         ({"last_batch_iteration": -3}, "last_batch_iteration", "-3", "integer >= -1"),
@@ -380,8 +419,6 @@ def test_factory_bad_values_other_schedules_and_constructors():
     assert "scheduler.params.cycle_first_step_size" in msg and "> 0" in msg
     msg = _error({"type": "StepLR", "params": {"step_size": 2, "last_epoch": 3}})
     assert "scheduler.params" in msg and "StepLR" in msg  # torch's own error, wrapped
-    with pytest.raises(ConfigError, match="warmup_type"):
-        WarmupLR(make_opt(), warmup_type="cos")
     with pytest.raises(ConfigError, match="warmup_num_steps"):
         WarmupCosineLR(make_opt(), total_num_steps=10, warmup_num_steps=0)
     assert issubclass(ConfigError, ValueError)
@@ -497,4 +534,6 @@ def test_parity_with_deepspeed(ds, name, kind, params):
         if compare_mom:
             ours_b1 = ours_opt.param_groups[0]["betas"][0]
             assert ours_b1 == pytest.approx(ref_opt.param_groups[0]["betas"][0], rel=1e-12), t
+            (b1, b2), (ref_b1, ref_b2) = ours.get_mom()[0], ref.get_mom()[0]  # (beta1, beta2) tuples, both
+            assert b1 == pytest.approx(ref_b1, rel=1e-12) and b2 == 0.999 and ref_b2 == 0.99, t
     assert ours.state_dict() == ref.state_dict()

@@ -41,6 +41,7 @@ from microspeed.errors import ConfigError
 
 __all__ = [
     "SCHEDULER_NAMES",
+    "VALID_LR_SCHEDULES",
     "WARMUP_TYPES",
     "LRRangeTest",
     "OneCycle",
@@ -57,6 +58,42 @@ SCHEDULER_NAMES: tuple[str, ...] = ("LRRangeTest", "OneCycle", "WarmupLR", "Warm
 
 WARMUP_TYPES: tuple[str, ...] = ("log", "linear")
 """Accepted values of ``warmup_type``."""
+
+# DeepSpeed's names for the schedules and their ``scheduler.params`` keys (``deepspeed.runtime.lr_schedules``)
+LR_SCHEDULE = "lr_schedule"
+LR_RANGE_TEST = "LRRangeTest"
+ONE_CYCLE = "OneCycle"
+WARMUP_LR = "WarmupLR"
+WARMUP_DECAY_LR = "WarmupDecayLR"
+WARMUP_COSINE_LR = "WarmupCosineLR"
+VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
+"""The schedule names DeepSpeed implements itself, in DeepSpeed's order (clients check a config's type here)."""
+LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
+LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
+LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
+EDGE_VALUE = "edge_value"
+MID_VALUE = "mid_value"
+CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
+CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
+CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
+CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
+DECAY_STEP_SIZE = "decay_step_size"
+CYCLE_MIN_LR = "cycle_min_lr"
+CYCLE_MAX_LR = "cycle_max_lr"
+DECAY_LR_RATE = "decay_lr_rate"
+CYCLE_MIN_MOM = "cycle_min_mom"
+CYCLE_MAX_MOM = "cycle_max_mom"
+DECAY_MOM_RATE = "decay_mom_rate"
+WARMUP_MIN_LR = "warmup_min_lr"
+WARMUP_MAX_LR = "warmup_max_lr"
+WARMUP_NUM_STEPS = "warmup_num_steps"
+WARMUP_TYPE = "warmup_type"
+WARMUP_LOG_RATE = "log"
+WARMUP_LINEAR_RATE = "linear"
+WARMUP_MIN_RATIO = "warmup_min_ratio"
+COS_MIN_RATIO = "cos_min_ratio"
+TOTAL_NUM_STEPS = "total_num_steps"
 
 Number = int | float
 LrSpec = Number | Sequence[Number]
@@ -106,7 +143,6 @@ _VALUE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "warmup_min_lr": (_per_group(_NON_NEG), "a number >= 0, or a list of them with one per param group"),
     "warmup_max_lr": (_per_group(_NON_NEG), "a number >= 0, or a list of them with one per param group"),
     "warmup_num_steps": (_int_at_least(1), "an integer >= 1"),
-    "warmup_type": (lambda v: v in WARMUP_TYPES, "one of 'log', 'linear'"),
     "total_num_steps": (_int_at_least(1), "an integer >= 1 (the total number of training steps)"),
     "warmup_min_ratio": (_number_at_least(0.0, 1.0), "a number in [0, 1]"),
     "cos_min_ratio": (_number_at_least(0.0, 1.0), "a number in [0, 1]"),
@@ -246,6 +282,15 @@ class _Schedule:
         self.last_batch_iteration = sd["last_batch_iteration"]
 
 
+def _warmup_type(owner: str, warmup_type: Any) -> str:
+    """``warmup_type`` itself when known; else, as DeepSpeed does, ``'log'`` with a warning naming the value."""
+    if warmup_type in WARMUP_TYPES:
+        return warmup_type
+    _log.warning("%s: unknown warmup_type %r; using 'log' as DeepSpeed does (the accepted values are %s).",
+                 owner, warmup_type, ", ".join(repr(t) for t in WARMUP_TYPES))
+    return "log"
+
+
 def _warmup_fraction(warmup_type: str, last_batch_iteration: int, warmup_num_steps: int) -> float:
     """Fraction of the warmup done at batch ``last_batch_iteration`` (< warmup_num_steps)."""
     if warmup_type == "log":
@@ -270,7 +315,7 @@ class WarmupLR(_Schedule):
         warmup_max_lr: lr reached at the end of warmup, a number or one per param group. Default: the
                 optimizer's lr of each group (as DeepSpeed 0.19.8).
         warmup_num_steps: warmup length in batches (values below 2 act as 2). Default 1000.
-        warmup_type: ``'log'`` or ``'linear'``. Default ``'log'``.
+        warmup_type: ``'log'`` or ``'linear'``. Default ``'log'``; another value warns, uses ``'log'`` (as DeepSpeed).
         last_batch_iteration: index of the last trained batch; -1 starts from the beginning.
     """
 
@@ -300,7 +345,7 @@ class WarmupLR(_Schedule):
         self.max_lrs = _per_group_list(warmup_max_lr, groups)
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs, strict=True)]
         self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_type(type(self).__name__, warmup_type)
         if last_batch_iteration == -1:
             self._last_lr = _write_lrs(self.optimizer, self.get_lr())
 
@@ -333,7 +378,7 @@ class WarmupDecayLR(WarmupLR):
         warmup_min_lr: starting and final lr, a number or one per param group. Default 0.
         warmup_max_lr: peak lr, a number or one per param group. Default 0.001.
         warmup_num_steps: warmup length in batches. Default 1000.
-        warmup_type: ``'log'`` or ``'linear'``. Default ``'log'``.
+        warmup_type: ``'log'`` or ``'linear'``. Default ``'log'``; another value warns, uses ``'log'`` (as DeepSpeed).
         last_batch_iteration: index of the last trained batch; -1 starts from the beginning.
     """
 
@@ -383,7 +428,7 @@ class WarmupCosineLR(_Schedule):
         warmup_min_ratio: ratio at batch 0. Default 0.
         warmup_num_steps: warmup length in batches. Default 1000.
         cos_min_ratio: ratio reached at ``total_num_steps`` and kept afterwards. Default 0.0001.
-        warmup_type: ``'log'`` or ``'linear'``. Default ``'log'``.
+        warmup_type: ``'log'`` or ``'linear'``. Default ``'log'``; another value warns, uses ``'log'`` (as DeepSpeed).
         last_batch_iteration: index of the last trained batch; -1 starts from the beginning.
     """
 
@@ -412,7 +457,7 @@ class WarmupCosineLR(_Schedule):
         self.warmup_min_ratio = warmup_min_ratio
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.cos_min_ratio = cos_min_ratio
-        self.warmup_type = warmup_type
+        self.warmup_type = _warmup_type(type(self).__name__, warmup_type)
         if total_num_steps < self.warmup_num_steps:
             _log.warning(
                 "WarmupCosineLR: total_num_steps %d < warmup_num_steps %d", total_num_steps, warmup_num_steps
@@ -545,6 +590,9 @@ class OneCycle(_Schedule):
         self.max_moms = _per_group_list(cycle_max_mom, groups)
         self._momentum_key = self._find_momentum_key() if cycle_momentum else None
         self.cycle_momentum = self._momentum_key is not None
+        # Adam-style betas: get_mom() returns (beta1, beta2) per group, as DeepSpeed's; beta2 is the group's own
+        # (DeepSpeed writes a fixed 0.99 there, overriding the optimizer's beta2; the cycles are the same)
+        self._beta2 = [tuple(g["betas"])[1] if "betas" in g else 0.99 for g in self.optimizer.param_groups]
 
         if last_batch_iteration == -1:
             _write_lrs(self.optimizer, self.min_lrs)
@@ -603,8 +651,8 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_lr_rate * self._decay_units()
         return [lo / factor for lo in self.min_lrs]
 
-    def get_mom(self) -> list[float] | None:
-        """The momentum of every param group for batch ``last_batch_iteration``; None if not cycling."""
+    def _momentum(self) -> list[float] | None:
+        """The first-moment coefficient (beta1, or SGD's momentum) of every group at ``last_batch_iteration``."""
         if not self.cycle_momentum:
             return None
         if self.last_batch_iteration < self.total_size:
@@ -615,8 +663,20 @@ class OneCycle(_Schedule):
         factor = 1.0 + self.decay_mom_rate * self._decay_units()
         return [hi * factor for hi in self.max_moms]
 
+    def get_mom(self) -> list[tuple[float, float]] | list[float] | None:
+        """The momentum of every param group for batch ``last_batch_iteration``; ``None`` if not cycling.
+
+        As DeepSpeed's: ``(beta1, beta2)`` per group for optimizers with ``betas`` (Adam and friends), beta1
+        cycling and beta2 the group's own. For an optimizer with a scalar ``momentum`` (SGD, which DeepSpeed
+        does not cycle) the floats.
+        """
+        moms = self._momentum()
+        if moms is None or self._momentum_key != "betas":
+            return moms
+        return [(m, b2) for m, b2 in zip(moms, self._beta2, strict=True)]
+
     def _after_step(self) -> None:
-        moms = self.get_mom()
+        moms = self._momentum()
         if moms is not None:
             self._write_momentum(moms)
 
