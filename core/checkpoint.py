@@ -37,8 +37,9 @@ replaces ``latest`` with ``os.replace``. A save interrupted anywhere (a rank kil
 
 **Other topologies.** Tensors are full and named, so a checkpoint written by N ranks loads on M.
 The data loader continues from the same *global* sample count
-(:meth:`microspeed.builtin.dataloader.MicroBatchLoader.load_state_dict`). RNG states: rank ``r``
-restores what rank ``r`` saved when ``r < N``; a rank ``r >= N`` seeds Python, numpy and torch
+(:meth:`microspeed.builtin.dataloader.MicroBatchLoader.load_state_dict`). RNG states
+are restored only when asked (``load_checkpoint(load_rng_state=True)``; DeepSpeed never restores
+them): rank ``r`` restores what rank ``r`` saved when ``r < N``; a rank ``r >= N`` seeds Python, numpy and torch
 with a number derived from rank 0's saved torch state and ``r`` (deterministic, distinct per
 rank). With another gradient-accumulation count, ``micro_steps`` becomes ``global_steps * GAS``.
 
@@ -806,7 +807,7 @@ def save_optimizer_state(engine: Any, tensors: dict[str, torch.Tensor]) -> dict[
 
 def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
          load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False) -> tuple[str | None, dict]:
+         load_module_only: bool = False, load_rng_state: bool = False) -> tuple[str | None, dict]:
     """Restore ``engine`` from ``load_dir`` (``tag``, or the one ``latest`` names); every rank calls this.
 
     Returns ``(tag_dir, client_state)``, or ``(None, {})`` with a warning when ``load_dir`` has no
@@ -814,7 +815,8 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
     equal the checkpoint's (else :class:`CheckpointError` listing the missing and unexpected
     ones); when false, the names both have are loaded and the others listed in a warning.
     ``load_module_only``: only the weights (fp32 masters included); no optimizer, scheduler,
-    counters, plugin state or RNG.
+    counters, plugin state or RNG. ``load_rng_state``: restore every rank's Python, numpy and torch
+    random-number state as saved (DeepSpeed's ``load_checkpoint`` never does; off by default).
     """
     if tag is None:
         tag = read_latest(load_dir)
@@ -850,7 +852,8 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
     if not load_module_only:
         _load_counters(engine, manifest)
         engine.hook.microspeed_load_checkpoint_state(engine=engine, states=plugin_tree())
-        _restore_rng(manifest.get("rng") or [], rank)
+        if load_rng_state:
+            _restore_rng(manifest.get("rng") or [], rank)
     return tag_dir, client_tree()
 
 
@@ -999,11 +1002,13 @@ def get_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torc
     return out
 
 
-def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
     """Rank 0 writes the module's state dict in the training dtype to ``save_dir/save_filename``.
 
     As DeepSpeed's ``save_16bit_model``: a plain ``torch.save`` file (``.safetensors`` when the
     name ends so and the package is installed). Every rank calls it; returns ``True``.
+    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
     """
     full = engine.hook.microspeed_consolidated_state_dict(engine=engine)
     if full is None:
@@ -1014,7 +1019,9 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
         return False
     if comm.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
-        state = {k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)}
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v.detach().cpu() for k, v in full.items()
+                 if isinstance(v, torch.Tensor) and not (exclude_frozen_parameters and k in frozen)}
         path = os.path.join(save_dir, save_filename)
         save_state_dict_file(state, path)
     comm.barrier()

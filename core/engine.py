@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from microspeed.config import Config
-from microspeed.errors import ConfigError
+from microspeed.errors import ConfigError, EngineUsageError
 from microspeed.hookspecs import StepOutcome
 from microspeed.plugins import PluginManager
 from microspeed.topology import Topology
@@ -70,6 +70,7 @@ class Engine(torch.nn.Module):
         self._params: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None
         self._data_iterator: Any = None
         self._api: dict[str, Any] = {}
+        self._boundary: bool | None = None
 
     # -- plugin state --------------------------------------------------------------------
 
@@ -124,8 +125,24 @@ class Engine(torch.nn.Module):
         return self.config["gradient_accumulation_steps"]
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """Whether the current micro-step is the last one before an optimizer step."""
+        """Whether the current micro-step is the last one before an optimizer step.
+
+        The value :meth:`set_gradient_accumulation_boundary` set, else the micro-step counter's.
+        """
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the boundary, as DeepSpeed's engine does (Accelerate drives accumulation this way).
+
+        From now on :meth:`is_gradient_accumulation_boundary` returns ``is_boundary`` — so
+        ``backward`` reduces gradients and ``step`` steps the optimizer only where it is true —
+        until it is set again. An optimizer that tracks the boundary itself is told too.
+        """
+        self._boundary = bool(is_boundary)
+        if hasattr(self.optimizer, "set_gradient_accumulation_boundary"):
+            self.optimizer.set_gradient_accumulation_boundary(self._boundary)
 
     @property
     def data_parallel_group(self) -> Any:
@@ -160,7 +177,8 @@ class Engine(torch.nn.Module):
         """Backward on ``loss`` (scaled for gradient accumulation and loss scaling).
 
         At the accumulation boundary (and outside :meth:`no_sync`) gradients are then reduced
-        across the data-parallel group. Returns the loss it was given.
+        across the data-parallel group. Returns the loss divided by the accumulation steps
+        (unless ``scale_wrt_gas=False``), as DeepSpeed does.
         """
         del release_loss
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
@@ -177,13 +195,14 @@ class Engine(torch.nn.Module):
             self.hook.microspeed_after_backward(engine=self, ctx=ctx)
             if ctx.reduce:
                 self.hook.microspeed_reduce_gradients(engine=self)
-        return loss
+        gas = self.gradient_accumulation_steps()
+        return loss / gas if scale_wrt_gas and gas > 1 else loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Count a micro-step; at the accumulation boundary, step the optimizer and scheduler."""
         if self._inside_no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first, "
-                               "so that gradients are reduced before the optimizer steps.")
+            raise EngineUsageError("engine.step() inside engine.no_sync(): It is illegal to call Engine.step() inside "
+                                   "no_sync context manager; leave the block first, so that gradients are reduced.")
         if self.is_gradient_accumulation_boundary():
             if self.optimizer is None:
                 raise ConfigError("engine.step(): no optimizer. Give an 'optimizer' section in the config "
@@ -260,12 +279,15 @@ class Engine(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip gradient reduction for backward passes inside the block (as DDP's ``no_sync``)."""
-        previous, self._inside_no_sync = self._inside_no_sync, True
+        """Skip gradient reduction for backward passes inside the block (as DDP's ``no_sync``); not re-entrant."""
+        if self._inside_no_sync:
+            raise EngineUsageError("no_sync context manager reentry is unsupported: engine.no_sync() is already "
+                                   "active; leave the outer block before entering another.")
+        self._inside_no_sync = True
         try:
             yield
         finally:
-            self._inside_no_sync = previous
+            self._inside_no_sync = False
 
     @contextlib.contextmanager
     def _phase(self, phase: str) -> Iterator[None]:
@@ -334,19 +356,27 @@ class Engine(torch.nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str | None, dict]:
+                        load_module_only: bool = False, load_rng_state: bool = False) -> tuple[str | None, dict]:
         """Load a checkpoint written by :meth:`save_checkpoint` (any world size); return ``(path, client_state)``.
 
         ``(None, {})`` with a warning when ``load_dir`` has no ``latest`` and no ``tag`` is given.
+        Random-number state is left alone, as DeepSpeed does, unless ``load_rng_state=True``
+        (each rank then continues the Python, numpy and torch streams it saved).
         """
         from microspeed import checkpoint
 
         return checkpoint.load(self, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                               load_rng_state=load_rng_state)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Rank 0 writes the module's state dict, in the training dtype, to ``save_dir/save_filename``."""
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the module's state dict, in the training dtype, to ``save_dir/save_filename``.
+
+        ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
+        """
         from microspeed import checkpoint
 
-        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename)
+        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename,
+                                           exclude_frozen_parameters=exclude_frozen_parameters)

@@ -46,6 +46,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "comms_logger": "microspeed.builtin.comms_logger:CommsLoggerPlugin",
     "watchdog": "microspeed.builtin.watchdog_plugin:WatchdogPlugin",
     "monitor": "microspeed.builtin.monitor:MonitorPlugin",
+    "deepspeed_api": "microspeed.builtin.deepspeed_api:DeepSpeedApiPlugin",
 }
 
 

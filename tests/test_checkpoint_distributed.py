@@ -160,7 +160,7 @@ def _load_run(root: str, variants: list[str], save_variant: str | None) -> dict:
     out = {}
     for variant in variants:
         engine = _engine(variant, seed=555)
-        path, client = engine.load_checkpoint(os.path.join(root, variant))
+        path, client = engine.load_checkpoint(os.path.join(root, variant), load_rng_state=True)
         assert path.endswith(f"global_step{SAVED_AT}") and client["variant"] == variant
         assert torch.equal(client["ids"], torch.arange(3))
         assert engine.global_steps == SAVED_AT and engine.global_samples == SAVED_AT * 8
@@ -248,7 +248,7 @@ def test_resume_on_other_world_sizes(saved):
 
     for source in ("fp32", "fp32_w4"):  # 2 -> 1 and 4 -> 1, in this process
         engine = _engine("fp32", seed=555)
-        engine.load_checkpoint(os.path.join(root, source))
+        engine.load_checkpoint(os.path.join(root, source), load_rng_state=True)
         assert engine.gradient_accumulation_steps() == 4 and engine.micro_steps == SAVED_AT * 4
         _, mean = _train(engine, TOTAL - SAVED_AT)
         assert torch.allclose(torch.tensor(mean), torch.tensor(ref["mean"][SAVED_AT:]), rtol=1e-5), source

@@ -38,9 +38,27 @@ def test_training_data_gives_micro_batches(tiny_model):
     assert sorted(i for idx, _ in batches for i in idx.tolist()) == list(range(20))
 
 
-def test_training_data_must_be_a_dataset(tiny_model):
-    with pytest.raises(microspeed.ConfigError, match="expected a torch.utils.data.Dataset, got list"):
-        microspeed.initialize(model=tiny_model, training_data=[1, 2, 3], config={"train_batch_size": 2})
+def test_training_data_may_be_a_list_as_in_deepspeed():
+    """DeepSpeed takes any map-style dataset (``__getitem__`` and ``__len__``): a list of samples too."""
+    samples = [(torch.tensor([float(i)]), torch.tensor([10.0 * i])) for i in range(6)]
+    engine, _, loader, _ = microspeed.initialize(model=torch.nn.Linear(1, 1), training_data=samples,
+                                                 config={"train_micro_batch_size_per_gpu": 2})
+    batches = list(loader)
+    assert len(batches) == 3 and all(x.shape == (2, 1) and y.shape == (2, 1) for x, y in batches)
+    assert sorted(v for x, _ in batches for v in x.squeeze(1).tolist()) == [float(i) for i in range(6)]
+    torch.testing.assert_close(torch.cat([y for _, y in batches]), torch.cat([x for x, _ in batches]) * 10)
+
+
+def test_training_data_must_be_indexable(tiny_model):
+    with pytest.raises(microspeed.ConfigError, match="expected a map-style dataset.*got generator"):
+        microspeed.initialize(model=tiny_model, training_data=(i for i in range(3)), config={"train_batch_size": 2})
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.raises(microspeed.ConfigError, match="IterableDataset, which cannot be sharded"):
+        microspeed.initialize(model=tiny_model, training_data=Stream(), config={"train_batch_size": 2})
 
 
 def test_collate_fn_is_used():

@@ -266,11 +266,12 @@ def test_backward_scale_wrt_gas(tiny_model):
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine, *_ = microspeed.initialize(model=tiny_model, config=cfg)
     loss = engine(x, y)
-    assert engine.backward(loss) is loss
+    torch.testing.assert_close(engine.backward(loss), loss.detach() / 2)  # DeepSpeed returns the scaled loss
     for p, g in zip(tiny_model.parameters(), full, strict=True):
         torch.testing.assert_close(p.grad, g / 2)
     engine.zero_grad()
-    engine.backward(engine(x, y), scale_wrt_gas=False)
+    loss = engine(x, y)
+    assert engine.backward(loss, scale_wrt_gas=False) is loss
     for p, g in zip(tiny_model.parameters(), full, strict=True):
         torch.testing.assert_close(p.grad, g)
 

@@ -110,12 +110,19 @@ class DataLoaderPlugin:
 
     @hookimpl(trylast=True)
     def microspeed_make_dataloader(self, engine, dataset: Any, collate_fn: Callable | None) -> MicroBatchLoader:
-        """A :class:`MicroBatchLoader` over this rank's shard of ``dataset``."""
-        if not isinstance(dataset, torch.utils.data.Dataset):
+        """A :class:`MicroBatchLoader` over this rank's shard of ``dataset``.
+
+        As DeepSpeed: any map-style dataset — an object with ``__getitem__`` and ``__len__``, a
+        list or tuple of samples included — is accepted.
+        """
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             from microspeed.errors import ConfigError
 
-            raise ConfigError(f"initialize(training_data=...): expected a torch.utils.data.Dataset, "
-                              f"got {type(dataset).__name__}.")
+            iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+            kind = ("an IterableDataset, which cannot be sharded across ranks by index; wrap it in a map-style "
+                    "Dataset or pass the loader to your own loop" if iterable else type(dataset).__name__)
+            raise ConfigError(f"initialize(training_data=...): expected a map-style dataset (an indexable sequence "
+                              f"with __getitem__ and __len__: a torch Dataset, a list, ...), got {kind}.")
         topo = engine.topology
         return MicroBatchLoader(dataset, engine.train_micro_batch_size_per_gpu(), topo.data_parallel_size,
                                 topo.data_parallel_rank, collate_fn, engine.config["dataloader_drop_last"])

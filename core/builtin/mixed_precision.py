@@ -103,6 +103,24 @@ class MixedPrecisionPlugin:
         engine.set_plugin_state("mixed_precision", self)
         self.engine = engine
 
+    @hookimpl
+    def microspeed_engine_api(self, engine) -> dict[str, Any]:
+        """DeepSpeed's precision accessors: ``fp16_enabled()``, ``bfloat16_enabled()``, ``loss_scale()``, ..."""
+        fp16 = engine.config.get("fp16", {})
+        static = float(fp16.get("loss_scale") or 0.0)
+        return {
+            "fp16_enabled": lambda: self.dtype is torch.float16,
+            "bfloat16_enabled": lambda: self.dtype is torch.bfloat16,
+            "fp16_auto_cast": lambda: self.auto_cast,
+            "loss_scale": lambda: static,
+            "dynamic_loss_scale": lambda: self.dtype is torch.float16 and static == 0.0,
+            "initial_dynamic_scale": lambda: 2.0 ** int(fp16.get("initial_scale_power", 16)),
+            "dynamic_loss_scale_args": lambda: None if self.dtype is not torch.float16 or static else {
+                "init_scale": 2.0 ** int(fp16.get("initial_scale_power", 16)),
+                "scale_window": fp16.get("loss_scale_window"), "delayed_shift": fp16.get("hysteresis"),
+                "consecutive_hysteresis": fp16.get("consecutive_hysteresis"), "min_scale": fp16.get("min_loss_scale")},
+        }
+
     def _stepped_elsewhere(self) -> bool:
         return self.engine is not None and self.engine.owner("optimizer_step") is not None
 
