@@ -7,7 +7,7 @@ hook call, and every error a user can cause surfaces here, as a :class:`ConfigEr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,6 +16,7 @@ from microspeed.config import Config, load_raw, merge_schema, parse, resolve_bat
 from microspeed.engine import Engine
 from microspeed.errors import ConfigError, PluginError
 from microspeed.plugins import PluginManager
+from microspeed.topology import Topology
 
 
 def initialize(
@@ -46,44 +47,121 @@ def initialize(
         raise ConfigError(f"initialize(model=...): expected a torch.nn.Module, got {type(model).__name__}.")
     if config is not None and config_params is not None:
         raise ConfigError("initialize(): give the ds_config as config= or config_params=, not both.")
-    raw = load_raw(config if config is not None else config_params, args)
     comm.init_distributed(dist_init_required=dist_init_required)
 
     pm = PluginManager()
     cfg: Config | None = None
     error: Exception | None = None
     try:  # an error on one rank must reach every rank, never leave the others in a collective
+        raw = load_raw(config if config is not None else config_params, args)
         pm.load_all(disabled=_disabled_plugins(raw), extra=plugins)
         pm.hook.microspeed_plugins_loaded(plugins=pm)
-        cfg = parse(raw, merge_schema(pm.hook.microspeed_config_sections()))
-    except (ConfigError, PluginError) as exc:
+        cfg = parse(raw, merge_schema(pm.hook.microspeed_config_sections()),
+                    _argument_problems(raw, optimizer, lr_scheduler))
+    except Exception as exc:  # noqa: BLE001 - any error, re-raised on this rank and reported on the others
         error = exc
     _check_ranks_agree(pm, cfg, error)
+    _log_notices(cfg)
 
+    # Each phase below may run collectives (groups, broadcasts, partitioning): the ranks agree
+    # after every phase, so an error raised on one rank is raised on all before the next one.
     world_size = comm.get_world_size()
-    topology = pm.hook.microspeed_make_topology(config=cfg, world_size=world_size, mpu=mpu, model=model)
-    resolve_batch_triad(cfg, topology.data_parallel_size)
-    pm.hook.microspeed_configure(config=cfg, world_size=world_size)
-    _check_conflicts(pm, cfg)
 
-    engine = Engine(pm, cfg, topology, model)
-    pm.hook.microspeed_setup(engine=engine)
-    engine.install_api(pm.hook.microspeed_engine_api(engine=engine))
-    engine.module = pm.call_chain("microspeed_transform_model", "model", model, engine=engine)
-    pm.hook.microspeed_after_model_ready(engine=engine, model=engine.module)
+    def configure() -> Topology:
+        topology = pm.hook.microspeed_make_topology(config=cfg, world_size=world_size, mpu=mpu, model=model)
+        resolve_batch_triad(cfg, topology.data_parallel_size)
+        pm.hook.microspeed_configure(config=cfg, world_size=world_size)
+        _check_conflicts(pm, cfg)
+        return topology
 
-    params = list(model_parameters) if model_parameters is not None else [
-        p for p in engine.module.parameters() if p.requires_grad
-    ]
-    engine.optimizer = _build_optimizer(pm, engine, cfg, optimizer, params)
-    if engine.optimizer is not None:
-        engine.optimizer = pm.call_chain("microspeed_wrap_optimizer", "optimizer", engine.optimizer, engine=engine)
-    engine.lr_scheduler = _build_scheduler(pm, engine, cfg, lr_scheduler)
-    if training_data is not None:
-        engine.training_dataloader = pm.hook.microspeed_make_dataloader(
-            engine=engine, dataset=training_data, collate_fn=collate_fn
-        )
+    engine = Engine(pm, cfg, _agreed(configure), model)
+
+    def setup() -> None:
+        pm.hook.microspeed_setup(engine=engine)
+        engine.install_api(pm.hook.microspeed_engine_api(engine=engine))
+
+    _agreed(setup)
+    engine.module = _agreed(lambda: pm.call_chain("microspeed_transform_model", "model", model, engine=engine))
+    _agreed(lambda: pm.hook.microspeed_after_model_ready(engine=engine, model=engine.module))
+
+    def optimize() -> None:
+        params = list(model_parameters) if model_parameters is not None else [
+            p for p in engine.module.parameters() if p.requires_grad
+        ]
+        engine.optimizer = _build_optimizer(pm, engine, cfg, optimizer, params)
+        if engine.optimizer is not None:
+            engine.optimizer = pm.call_chain("microspeed_wrap_optimizer", "optimizer", engine.optimizer,
+                                             engine=engine)
+        engine.lr_scheduler = _build_scheduler(pm, engine, cfg, lr_scheduler)
+        if training_data is not None:
+            engine.training_dataloader = pm.hook.microspeed_make_dataloader(
+                engine=engine, dataset=training_data, collate_fn=collate_fn
+            )
+
+    _agreed(optimize)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+T = TypeVar("T")
+
+
+def _agreed(phase: Callable[[], T]) -> T:
+    """Run one phase of ``initialize()``, then agree across ranks on whether it failed anywhere."""
+    try:
+        result = phase()
+    except Exception as exc:
+        _agree_on_outcome(exc)
+        raise
+    _agree_on_outcome(None)
+    return result
+
+
+def _argument_problems(raw: dict[str, Any], optimizer: Any, lr_scheduler: Any) -> list[str]:
+    """Problems between ``initialize()``'s arguments and the config, reported with the config's own."""
+    problems = []
+    if optimizer is not None and "optimizer" in raw:
+        problems.append("optimizer: given both in the config's 'optimizer' section and as "
+                        "initialize(optimizer=...); keep one of them.")
+    if lr_scheduler is not None and "scheduler" in raw:
+        problems.append("scheduler: given both in the config's 'scheduler' section and as "
+                        "initialize(lr_scheduler=...); keep one of them.")
+    if lr_scheduler is None and "scheduler" in raw and optimizer is None and "optimizer" not in raw:
+        problems.append("scheduler: a scheduler needs an optimizer; add an 'optimizer' section "
+                        "or pass initialize(optimizer=...).")
+    return problems
+
+
+_NOTICES_LOGGED: set[str] = set()
+
+
+def _log_notices(cfg: Config) -> None:
+    """Log each config notice once per process, on rank 0 (keys DeepSpeed knows that have no effect here)."""
+    fresh = [n for n in cfg.notices if n not in _NOTICES_LOGGED]
+    _NOTICES_LOGGED.update(fresh)
+    if fresh and comm.get_rank() == 0:
+        from microspeed.log import get_logger
+
+        log = get_logger("microspeed.config")
+        for notice in fresh:
+            log.info(notice)
+
+
+def _agree_on_outcome(error: Exception | None) -> None:
+    """One small collective after a phase of ``initialize()``: an error raised on one rank is raised on all.
+
+    The failing rank re-raises its own error (the caller does); the others raise a
+    :class:`PluginError` naming the rank and the error, instead of waiting in a later collective.
+    """
+    if comm.get_world_size() == 1:
+        return
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    everyone = comm.all_gather_object(mine)
+    if error is not None:
+        return
+    failed = [(rank, msg) for rank, msg in enumerate(everyone) if msg]
+    if failed:
+        raise PluginError("initialize() failed on other ranks: "
+                          + "; ".join(f"rank {rank}: {msg}" for rank, msg in failed))
 
 
 def _disabled_plugins(raw: dict[str, Any]) -> list[str]:

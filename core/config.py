@@ -8,6 +8,7 @@ names the key path, what was given, what is accepted and the fix.
 
 from __future__ import annotations
 
+import base64
 import difflib
 import hashlib
 import json
@@ -16,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from microspeed import deepspeed_keys
 from microspeed.errors import ConfigError
 
 AUTO = "auto"
@@ -59,12 +61,15 @@ class Section:
     """A nested config section: named fields and subsections.
 
     ``open=True`` accepts any keys below it (their owner validates them, for example
-    ``optimizer.params`` is checked against the optimizer's signature).
+    ``optimizer.params`` is checked against the optimizer's signature). ``notices`` names keys
+    DeepSpeed knows that this section accepts without acting on them: ``key -> why it has no
+    effect here``; the user gets that reason in a one-line notice (logged once, on rank 0).
     """
 
     fields: Mapping[str, Field | Section] = field(default_factory=dict)
     doc: str = ""
     open: bool = False
+    notices: Mapping[str, str] = field(default_factory=dict)
 
 
 def positive(v: Any) -> str | None:
@@ -96,32 +101,58 @@ def _suggest(key: str, candidates: list[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def _validate(path: str, value: Any, spec: Field | Section) -> Any:
+class _Report:
+    """What validation found: typos, other problems (each one message), and notices."""
+
+    def __init__(self) -> None:
+        self.typos: list[str] = []
+        self.problems: list[str] = []
+        self.notices: list[str] = []
+
+    def error(self) -> ConfigError | None:
+        """One :class:`ConfigError` listing every problem, typos first (``None`` when there is none)."""
+        found = self.typos + self.problems
+        if not found:
+            return None
+        if len(found) == 1:
+            return ConfigError(found[0], problems=found)
+        listed = "\n".join(f"  - {msg}" for msg in found)
+        return ConfigError(f"the ds_config has {len(found)} problems:\n{listed}", problems=found)
+
+
+def _validate(path: str, value: Any, spec: Field | Section, report: _Report) -> Any:
     if isinstance(spec, Section):
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{path}: expected an object (section), got {value!r}.")
-        return _validate_section(path, value, spec)
+            report.problems.append(f"{path}: expected an object (section), got {value!r}.")
+            return value
+        return _validate_section(path, value, spec, report)
     if value == AUTO and isinstance(value, str):
         if spec.auto:
             return AUTO
-        raise ConfigError(
-            f'{path}: "auto" cannot be resolved for this key; give {_type_name(spec.types)} '
-            f"(default: {spec.default!r})."
-        )
+        report.problems.append(f'{path}: "auto" cannot be resolved for this key; give {_type_name(spec.types)} '
+                               f"(default: {spec.default!r}).")
+        return value
     if not _type_ok(value, spec.types):
-        raise ConfigError(f"{path}: expected {_type_name(spec.types)}, got {value!r} ({type(value).__name__}).")
+        report.problems.append(f"{path}: expected {_type_name(spec.types)}, got {value!r} ({type(value).__name__}).")
+        return value
     if spec.choices is not None and value not in spec.choices:
-        raise ConfigError(f"{path}: got {value!r}; accepted values: {', '.join(map(repr, spec.choices))}.")
+        hint = _suggest(value, [c for c in spec.choices if isinstance(c, str)]) if isinstance(value, str) else ""
+        msg = f"{path}: got {value!r};{hint} accepted values: {', '.join(map(repr, spec.choices))}."
+        (report.typos if hint else report.problems).append(msg)
+        return value
     if spec.check is not None and value is not None:
         problem = spec.check(value)
         if problem:
-            raise ConfigError(f"{path}: got {value!r}; expected {problem}.")
+            msg = f"{path}: got {value!r}; expected {problem}."
+            (report.typos if "did you mean" in problem.lower() else report.problems).append(msg)
+            return value
     if isinstance(value, int) and not isinstance(value, bool) and float in spec.types and int not in spec.types:
         value = float(value)
     return value
 
 
-def _validate_section(path: str, given: Mapping[str, Any], section: Section, present: bool = True) -> dict[str, Any]:
+def _validate_section(path: str, given: Mapping[str, Any], section: Section, report: _Report,
+                      present: bool = True) -> dict[str, Any]:
     if section.open:
         return dict(given)
     out: dict[str, Any] = {}
@@ -129,19 +160,50 @@ def _validate_section(path: str, given: Mapping[str, Any], section: Section, pre
         sub = f"{path}.{key}" if path else key
         spec = section.fields.get(key)
         if spec is None:
-            raise _unknown_key(path, key, section)
-        out[key] = _validate(sub, value, spec)
+            if _known_elsewhere(path, key, value, section, report):
+                out[key] = value
+            continue
+        out[key] = _validate(sub, value, spec, report)
     for key, spec in section.fields.items():
-        if key in out:
+        if key in out or key in given:
             continue
         sub = f"{path}.{key}" if path else key
         if isinstance(spec, Section):
-            out[key] = _validate_section(sub, {}, spec, present=False)
+            out[key] = _validate_section(sub, {}, spec, report, present=False)
         elif spec.required and present:
-            raise ConfigError(f"{sub}: required key is missing ({spec.doc or _type_name(spec.types)}).")
+            report.problems.append(f"{sub}: required key is missing ({spec.doc or _type_name(spec.types)}).")
         else:
             out[key] = spec.default
     return out
+
+
+def _known_elsewhere(path: str, key: str, value: Any, section: Section, report: _Report) -> bool:
+    """Classify a key no schema lists (see :mod:`microspeed.deepspeed_keys`); ``True`` when it is accepted."""
+    where = f"{path}.{key}" if path else key
+    if key in section.notices:
+        report.notices.append(f"{where}: accepted, no effect here: {section.notices[key]}.")
+        return True
+    if not path and key in deepspeed_keys.REFUSED:
+        if not deepspeed_keys.turns_on(key, value):
+            return True
+        report.problems.append(f"{where}: a DeepSpeed key microspeed does not support: "
+                               f"{deepspeed_keys.REFUSED[key]}. Remove it.")
+        return False
+    if not path and key in deepspeed_keys.NO_EFFECT:
+        known = deepspeed_keys.subkeys(key)
+        typos = [k for k in value if k not in known] if isinstance(value, Mapping) and known else []
+        report.typos.extend(f"{key}.{k}: unknown key.{_suggest(k, known)} Valid keys here: {', '.join(known)}."
+                            for k in typos)
+        report.notices.append(f"{where}: accepted, no effect here: {deepspeed_keys.NO_EFFECT[key]}.")
+        return not typos
+    if deepspeed_keys.is_deepspeed_key(where) and not (not path and key in PLUGIN_SECTIONS):
+        owner = f"the {path.split('.')[0]!r} section's plugin" if path else "microspeed"
+        report.problems.append(f"{where}: a DeepSpeed 0.19.8 key that {owner} does not implement; remove it "
+                               f"(see the README's table of ds_config keys for what is supported).")
+        return False
+    error = _unknown_key(path, key, section)
+    (report.problems if not path and key in PLUGIN_SECTIONS else report.typos).append(str(error))
+    return False
 
 
 def plugin_folder(dist: str) -> str:
@@ -172,6 +234,7 @@ class Config:
     def __init__(self, raw: Mapping[str, Any], values: dict[str, Any]) -> None:
         self.raw = dict(raw)
         self.values = values
+        self.notices: list[str] = []
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -228,17 +291,42 @@ def load_raw(config: Any = None, args: Any = None) -> dict[str, Any]:
             "args.deepspeed_config (see microspeed.add_config_arguments)."
         )
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if not os.path.isfile(path):
-            raise ConfigError(f"config: file {path!r} does not exist.")
-        try:
-            with open(path, encoding="utf-8") as fh:
-                config = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config: {path!r} is not valid JSON: {exc}") from exc
+        config = _read_config_text(os.fspath(config))
     if not isinstance(config, Mapping):
         raise ConfigError(f"config: expected a dict or a path to a JSON file, got {type(config).__name__}.")
     return dict(config)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = sorted({k for k, _ in pairs if k in seen or seen.add(k)})
+        raise ConfigError(f"config: duplicate keys {twice}; give each key once.")
+    return out
+
+
+def _read_config_text(path: str) -> Any:
+    """Read a ds_config file as DeepSpeed 0.19.8 does: with ``hjson``, so ``//`` and ``#`` comments and
+    trailing commas are accepted and a duplicate key is an error; a string that is no file may be the
+    config itself, base64-encoded (as DeepSpeed's launcher passes it)."""
+    import hjson
+
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return hjson.load(fh, object_pairs_hook=_no_duplicate_keys)
+        except hjson.HjsonDecodeError as exc:
+            raise ConfigError(f"config: {path!r} is not valid JSON (comments and trailing commas are fine): "
+                              f"{exc}") from exc
+    try:
+        text = base64.urlsafe_b64decode(path).decode("utf-8")
+        decoded = hjson.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except (ValueError, UnicodeDecodeError, hjson.HjsonDecodeError):
+        decoded = None
+    if not isinstance(decoded, Mapping):
+        raise ConfigError(f"config: file {path!r} does not exist (nor is it a base64-encoded config).")
+    return decoded
 
 
 def merge_schema(claims: list[dict[str, Field | Section]]) -> Section:
@@ -252,9 +340,22 @@ def merge_schema(claims: list[dict[str, Field | Section]]) -> Section:
     return Section(fields=fields)
 
 
-def parse(raw: Mapping[str, Any], schema: Section) -> Config:
-    """Validate ``raw`` against ``schema`` and fill defaults; raise :class:`ConfigError`."""
-    return Config(raw, _validate_section("", raw, schema))
+def parse(raw: Mapping[str, Any], schema: Section, extra_problems: list[str] = ()) -> Config:
+    """Validate ``raw`` against ``schema`` and fill defaults.
+
+    Raises one :class:`ConfigError` listing every problem (typos first, then ``extra_problems``
+    found by the caller, e.g. arguments of ``initialize()``). Keys DeepSpeed knows that have
+    no effect here become :attr:`Config.notices`.
+    """
+    report = _Report()
+    values = _validate_section("", raw, schema, report)
+    report.problems.extend(extra_problems)
+    error = report.error()
+    if error is not None:
+        raise error
+    config = Config(raw, values)
+    config.notices = report.notices
+    return config
 
 
 def resolve_batch_triad(config: Config, dp_world_size: int) -> tuple[int, int, int]:

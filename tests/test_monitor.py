@@ -119,8 +119,10 @@ def test_disabled_writes_nothing(tiny_model, tmp_path, monkeypatch):
 
 
 def test_config_is_strict(tiny_model):
-    with pytest.raises(microspeed.ConfigError, match="wandb"):
-        microspeed.initialize(model=tiny_model, config={**_config(), "wandb": {"enabled": True}})
+    engine, *_ = microspeed.initialize(model=tiny_model, config={**_config(), "wandb": {"enabled": True}})
+    assert [n.split(":")[0] for n in engine.config.notices] == ["wandb"]  # DeepSpeed's key: a notice, no typo
+    with pytest.raises(microspeed.ConfigError, match=r"wandb\.projekt: unknown key\. Did you mean 'project'"):
+        microspeed.initialize(model=tiny_model, config={**_config(), "wandb": {"projekt": "x"}})
     with pytest.raises(microspeed.ConfigError, match="csv_monitor.jobname"):
         microspeed.initialize(model=tiny_model, config={**_config(), "csv_monitor": {"jobname": "x"}})
     with pytest.raises(microspeed.ConfigError, match="csv_monitor.job_name"):

@@ -80,3 +80,59 @@ def test_config_error_on_one_rank_is_raised_on_every_rank():
     (t0, m0), (t1, m1) = run_distributed(_bad_config_on_rank1, world_size=2, timeout=90)
     assert t1 == "ConfigError" and "gradient_clipingg" in m1
     assert t0 == "PluginError" and "rank 1: ConfigError: gradient_clipingg" in m0
+
+
+class FailsOnRankOne:
+    """Raises in one set-up hook, on rank 1 only (as a plugin that sees rank-local state may)."""
+
+    def __init__(self, hook: str) -> None:
+        self.hook = hook
+
+    @hookimpl
+    def microspeed_setup(self, engine):
+        if self.hook == "setup" and engine.topology.rank == 1:
+            raise ValueError("rank-local failure in setup")
+
+    @hookimpl
+    def microspeed_wrap_optimizer(self, engine, optimizer):
+        if self.hook == "wrap_optimizer" and engine.topology.rank == 1:
+            raise RuntimeError("rank-local failure in wrap_optimizer")
+        return None
+
+    @hookimpl
+    def microspeed_config_sections(self):
+        import torch.distributed as dist
+
+        if self.hook == "config_sections" and dist.get_rank() == 1:
+            raise KeyError("rank-local failure before the agreement")
+        return {}
+
+
+def _one_rank_fails_body():
+    import torch.distributed as dist
+
+    outcomes = []
+    for hook in ("config_sections", "setup", "wrap_optimizer"):
+        try:
+            plugins = [("fails", FailsOnRankOne(hook))]
+            microspeed.initialize(model=torch.nn.Linear(4, 1), config=_config(), plugins=plugins)
+            outcomes.append(("returned", ""))
+        except Exception as exc:  # noqa: BLE001 - the test records what each rank raised
+            outcomes.append((type(exc).__name__, str(exc)))
+    engine, *_ = microspeed.initialize(model=torch.nn.Linear(4, 1), config=_config())  # still in step
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    return dist.get_rank(), outcomes, engine.global_steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_error_on_one_rank_is_raised_on_every_rank():
+    """Before and after the agreement: rank 1 raises its own error, rank 0 a PluginError naming it — no hang."""
+    (_, out0, steps0), (_, out1, steps1) = run_distributed(_one_rank_fails_body, world_size=2, timeout=100)
+    assert [kind for kind, _ in out1] == ["KeyError", "ValueError", "RuntimeError"]
+    assert [kind for kind, _ in out0] == ["PluginError"] * 3
+    for (_, theirs), (kind, _mine) in zip(out0, out1, strict=True):
+        assert theirs.startswith("initialize() failed on other ranks: rank 1: ") and kind in theirs
+    assert "rank-local failure in wrap_optimizer" in out0[2][1]
+    assert steps0 == steps1 == 1

@@ -70,9 +70,18 @@ class MixedPrecisionPlugin:
                 "hysteresis": Field((int,), 2, "overflows tolerated before the scale halves"),
                 "consecutive_hysteresis": Field((bool,), False, "refill hysteresis on every clean step"),
                 "min_loss_scale": Field((float,), 1.0, "floor of the dynamic scale"),
-            }, doc="fp16 mixed precision"),
+            }, doc="fp16 mixed precision", notices={
+                "fp16_master_weights_and_grads": "microspeed always keeps fp32 master weights and gradients "
+                                                 "(DeepSpeed honours it only with ZeRO-Offload's CPU Adam)",
+            }),
             "bf16": Section({"enabled": Field((bool,), False, "train in bf16 with fp32 masters")},
-                            doc="bf16 mixed precision"),
+                            doc="bf16 mixed precision", notices={
+                "bf16_master_weights_and_grads": "microspeed always keeps fp32 master weights and gradients",
+                "bf16_optimizer_states": "optimizer states are always fp32",
+                "immediate_grad_update": "a switch of DeepSpeed's BF16_Optimizer, which microspeed does not have; "
+                                         "gradients reach the fp32 masters at the accumulation boundary",
+                "check_grad_overflow": "bf16 runs without a loss scaler, so no step is skipped on overflow",
+            }),
             "data_types": Section({
                 "grad_accum_dtype": Field((str, type(None)), None, "dtype gradients accumulate in",
                                           choices=(None, "fp32", "fp16", "bf16")),

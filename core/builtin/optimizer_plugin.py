@@ -18,7 +18,10 @@ class OptimizerPlugin:
             "type": Field((str,), None, "optimizer name (Adam, AdamW, SGD, Adagrad, Lamb, any torch.optim)",
                           required=True),
             "params": Section(open=True, doc="keyword arguments of the optimizer"),
-        }, doc="optimizer")}
+        }, doc="optimizer", notices={
+            "legacy_fusion": "a switch of DeepSpeed's old fused fp16 optimizer; microspeed's fp16 path keeps fp32 "
+                             "masters and steps the optimizer on them",
+        })}
 
     @hookimpl(trylast=True)
     def microspeed_make_optimizer(self, params: list[Any], config) -> Any:

@@ -6,12 +6,18 @@ backward and step over the window.
 
 from __future__ import annotations
 
+import math
 import time
 
 from microspeed.builtin.step_metrics import LossMeter, PhaseTimer
-from microspeed.config import Field, positive
+from microspeed.config import Field
 from microspeed.hookspecs import hookimpl
 from microspeed.log import get_logger
+
+
+def _every(value: float) -> str | None:
+    """Check: a whole number > 0, or infinity (Accelerate writes ``float("inf")``: never log)."""
+    return None if value > 0 and (value == math.inf or float(value).is_integer()) else "a whole number > 0 or inf"
 
 
 class StepLoggingPlugin:
@@ -30,14 +36,15 @@ class StepLoggingPlugin:
     def microspeed_config_sections(self) -> dict:
         """``steps_per_print`` and ``wall_clock_breakdown``."""
         return {
-            "steps_per_print": Field((int,), 10, "log every N optimizer steps", positive),
+            "steps_per_print": Field((int, float), 10, "log every N optimizer steps (inf: never)", _every),
             "wall_clock_breakdown": Field((bool,), False, "log time spent in forward/backward/step"),
         }
 
     @hookimpl
     def microspeed_configure(self, config) -> None:
         """Read the keys."""
-        self.every = config["steps_per_print"]
+        every = config["steps_per_print"]
+        self.every = every if every == math.inf else int(every)
         self.breakdown = self.timer.enabled = config["wall_clock_breakdown"]
 
     @hookimpl
@@ -82,7 +89,7 @@ class StepLoggingPlugin:
     def microspeed_after_global_step(self, engine) -> None:
         """Emit the line every ``steps_per_print`` steps."""
         self.window_samples += engine.train_batch_size()
-        if engine.global_steps % self.every or self.log is None:
+        if self.every == math.inf or engine.global_steps % self.every or self.log is None:
             return
         elapsed = time.perf_counter() - self.window_start
         fields = {
