@@ -34,6 +34,18 @@ class Experts(nn.Module):
             p.allreduce = False
             p.group_name = self.group_name
 
+    def place(self) -> None:
+        """Re-key the local experts by this rank's position, once the process group exists.
+
+        A layer built before ``init_distributed`` placed itself by the launcher's ``RANK``; if the
+        process group says otherwise, the same modules (and parameters) take the right global indices.
+        """
+        first = expert_rank(self.ep_size) * self.num_local
+        if first != self.first:
+            modules = list(self.deepspeed_experts.values())
+            self.deepspeed_experts = nn.ModuleDict({str(first + i): m for i, m in enumerate(modules)})
+            self.first = first
+
     def local_indices(self) -> range:
         """Global indices of the experts on this rank."""
         return range(self.first, self.first + self.num_local)

@@ -9,11 +9,14 @@ With ``W`` data-parallel ranks and ``ep_size = E`` (``E`` divides ``W``), as Dee
   experts: their expert gradients are summed over it.
 
 Groups are made once per ``ep_size`` (creating groups is collective: every rank makes every group,
-in the same order) and cached per process, like torch's own groups.
+in the same order) and cached per process, like torch's own groups. As DeepSpeed's, a layer may be
+built before the process group exists: its rank comes from the launcher's ``RANK`` variable (the one
+``init_distributed`` will use) and its groups are made at ``initialize`` or its first forward.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,22 +44,33 @@ class ExpertGroups:
 _CACHE: dict[int, ExpertGroups] = {}
 
 
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
 def expert_rank(ep_size: int) -> int:
-    """This rank's position in its expert-parallel group (which experts it holds); 0 without distribution."""
-    return dist.get_rank() % ep_size if dist.is_initialized() else 0
+    """This rank's position in its expert-parallel group (which experts it holds).
+
+    Before the process group exists, the launcher's ``RANK`` (what ``init_distributed`` will use), else 0.
+    """
+    if dist.is_initialized():
+        return dist.get_rank() % ep_size
+    return (_env_int("RANK") or 0) % ep_size
 
 
 def check_ep_size(ep_size: int, num_experts: int) -> None:
-    """Refuse an ``ep_size`` that does not divide the experts or the world, naming the fix."""
+    """Refuse an ``ep_size`` that does not divide the experts or the world, naming the fix.
+
+    Without a process group the world size is the launcher's ``WORLD_SIZE`` when set; otherwise the
+    check waits for the groups (``initialize`` or the first forward), as DeepSpeed's does.
+    """
     if not isinstance(ep_size, int) or ep_size < 1:
         raise ValueError(f"MoE(ep_size={ep_size!r}): expected a positive int.")
     if num_experts % ep_size:
         raise ValueError(f"MoE(num_experts={num_experts}, ep_size={ep_size}): ep_size must divide num_experts.")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if ep_size > 1 and not dist.is_initialized():
-        raise ValueError(f"MoE(ep_size={ep_size}): start torch.distributed first (microspeed.init_distributed()), "
-                         f"so each rank knows which experts it holds.")
-    if world % ep_size:
+    world = dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE")
+    if world is not None and world % ep_size:
         raise ValueError(f"MoE(ep_size={ep_size}): the world size {world} must be a multiple of ep_size.")
 
 
@@ -66,6 +80,9 @@ def get_expert_groups(ep_size: int) -> ExpertGroups:
         return _CACHE[ep_size]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if ep_size > 1 and not dist.is_initialized():
+        raise ValueError(f"MoE(ep_size={ep_size}): expert parallelism needs torch.distributed; start it before the "
+                         f"layer's first forward (microspeed.initialize does, or microspeed.init_distributed()).")
     if world % ep_size:
         raise ValueError(f"MoE(ep_size={ep_size}): the world size {world} must be a multiple of ep_size.")
     ep_group = edp_group = None

@@ -58,8 +58,9 @@ class MoEPlugin:
             return
         self._check(engine)
         for layer in self.layers:
-            groups = get_expert_groups(layer.ep_size)
+            groups = get_expert_groups(layer.ep_size)  # a layer built before init_distributed gets them here
             layer.deepspeed_moe._set_ep_group(groups.ep_group)
+            layer.deepspeed_moe.experts.place()
             for p in layer.deepspeed_moe.experts.parameters():
                 p.replica_group = ReplicaGroup(groups.edp_group, groups.edp_ranks)
                 self.expert_params.append((p, groups))

@@ -1,7 +1,10 @@
 """DeepSpeed's gating API (``deepspeed.moe.sharded_moe``): ``top1gating``, ``top2gating``, ``topkgating``, ``TopKGate``.
 
 These return DeepSpeed's dense gate output ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` with
-``combine_weights`` a float ``[tokens, experts, capacity]`` tensor and ``dispatch_mask`` its nonzero pattern.
+``combine_weights`` a float ``[tokens, experts, capacity]`` tensor and ``dispatch_mask`` its nonzero pattern,
+or, with ``sparse_routes=True`` (DeepSpeed 0.19.8's argument), its sparse form ``(l_aux, capacity,
+num_experts, indices [k, T] int32 (-1 where dropped), locations [k, T] int32, gates [k, T], exp_counts)``
+(:func:`sparse`).
 Each is the sparse :class:`~microspeed_moe.gating.Routing` of :mod:`microspeed_moe.gating` expanded by
 :func:`dense`, so the fast path (which never builds the dense tensors) and this API agree by construction.
 """
@@ -28,8 +31,8 @@ from microspeed_moe.gating import (
 )
 from microspeed_moe.gating import multiplicative_jitter as _jitter
 
-__all__ = ["Routing", "TopKGate", "dense", "gumbel_rsample", "multiplicative_jitter", "top1gating", "top2gating",
-           "topkgating"]
+__all__ = ["Routing", "TopKGate", "dense", "gumbel_rsample", "multiplicative_jitter", "sparse", "top1gating",
+           "top2gating", "topkgating"]
 
 GateOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """``(l_aux, combine_weights [T, E, C] float, dispatch_mask [T, E, C] bool, exp_counts [E] long)``."""
@@ -53,9 +56,35 @@ def dense(routing: Routing, num_experts: int) -> tuple[torch.Tensor, torch.Tenso
     return combine_weights, combine_weights.bool()
 
 
-def _gate_output(routing: Routing, num_experts: int) -> GateOutput:
+SparseGateOutput = tuple[torch.Tensor, int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(l_aux, capacity, num_experts, indices [k, T] int32, locations [k, T] int32, gates [k, T], exp_counts)``."""
+
+
+def sparse(routing: Routing, num_experts: int) -> SparseGateOutput:
+    """A :class:`Routing` as DeepSpeed's ``sparse_routes=True`` gate output (one row per choice, ``[k, T]``).
+
+    ``indices`` is the expert of each route, ``-1`` where the capacity limit (or ``used_token``) dropped it;
+    ``locations`` its slot in the expert's buffer (0 where dropped); ``gates`` its combine weight (0 where
+    dropped; differentiable). ``capacity`` is a Python int.
+    """
+    kept = routing.kept
+    indices = torch.where(kept, routing.experts, torch.full_like(routing.experts, -1))
+    locations = torch.where(kept, routing.slots, torch.zeros_like(routing.slots))
+    return (routing.l_aux, routing.capacity, num_experts, indices.t().to(torch.int32).contiguous(),
+            locations.t().to(torch.int32).contiguous(), routing.weights.t().contiguous(), routing.exp_counts)
+
+
+def _gate_output(routing: Routing, num_experts: int, sparse_routes: bool = False) -> GateOutput | SparseGateOutput:
+    if sparse_routes:
+        return sparse(routing, num_experts)
     combine_weights, dispatch_mask = dense(routing, num_experts)
     return routing.l_aux, combine_weights, dispatch_mask, routing.exp_counts
+
+
+def _no_tutel(use_tutel: bool) -> None:
+    if use_tutel:
+        raise ValueError("use_tutel=True: Tutel is not used by microspeed (its routing is built in, with the same "
+                         "result); drop use_tutel.")
 
 
 def top1gating(logits: torch.Tensor,
@@ -65,16 +94,20 @@ def top1gating(logits: torch.Tensor,
                noisy_gate_policy: str | None = None,
                drop_tokens: bool = True,
                use_rts: bool = True,
-               ep_group: Any = None) -> GateOutput:
+               ep_group: Any = None,
+               sparse_routes: bool = False,
+               use_tutel: bool = False) -> GateOutput | SparseGateOutput:
     """Switch top-1 gating of ``[T, E]`` logits: DeepSpeed's ``top1gating`` (:func:`~.gating.route_top1`).
 
-    Returns ``(l_aux, combine_weights, dispatch_mask, exp_counts)``; ``exp_counts`` counts each expert's
-    (used) tokens before dropping.
+    Returns ``(l_aux, combine_weights, dispatch_mask, exp_counts)``, or the sparse form with
+    ``sparse_routes``; ``exp_counts`` counts each expert's (used) tokens before dropping. ``use_tutel``
+    must stay ``False`` (Tutel's kernels are not used here; the result would be the same).
     """
+    _no_tutel(use_tutel)
     routing = route_top1(logits, capacity_factor, min_capacity, used_token=used_token,
                          noisy_gate_policy=noisy_gate_policy, drop_tokens=drop_tokens, use_rts=use_rts,
                          ep_group=ep_group)
-    return _gate_output(routing, logits.shape[1])
+    return _gate_output(routing, logits.shape[1], sparse_routes)
 
 
 def top2gating(logits: torch.Tensor,
@@ -82,7 +115,8 @@ def top2gating(logits: torch.Tensor,
                min_capacity: int,
                drop_tokens: bool = True,
                ep_group: Any = None,
-               top2_2nd_expert_sampling: bool = True) -> GateOutput:
+               top2_2nd_expert_sampling: bool = True,
+               sparse_routes: bool = False) -> GateOutput | SparseGateOutput:
     """GShard top-2 gating of ``[T, E]`` logits: DeepSpeed's ``top2gating`` (:func:`~.gating.route_top2`).
 
     Returns ``(l_aux, combine_weights, dispatch_mask, exp_counts)``; ``exp_counts`` counts first and second
@@ -90,7 +124,7 @@ def top2gating(logits: torch.Tensor,
     """
     routing = route_top2(logits, capacity_factor, min_capacity, drop_tokens=drop_tokens, ep_group=ep_group,
                          top2_2nd_expert_sampling=top2_2nd_expert_sampling)
-    return _gate_output(routing, logits.shape[1])
+    return _gate_output(routing, logits.shape[1], sparse_routes)
 
 
 def topkgating(logits: torch.Tensor,
@@ -99,7 +133,8 @@ def topkgating(logits: torch.Tensor,
                min_capacity: int,
                drop_tokens: bool = True,
                ep_group: Any = None,
-               drop_policy: str = "probs") -> GateOutput:
+               drop_policy: str = "probs",
+               sparse_routes: bool = False) -> GateOutput | SparseGateOutput:
     """Top-k gating on ``[T, E]`` logits, DeepSpeed's ``topkgating`` (:func:`~.gating.route_topk`).
 
     Returns ``(l_aux, combine_weights, dispatch_mask, exp_counts)``; ``exp_counts`` counts all ``k`` choices
@@ -107,7 +142,7 @@ def topkgating(logits: torch.Tensor,
     """
     routing = route_topk(logits, k, capacity_factor, min_capacity, drop_tokens=drop_tokens, ep_group=ep_group,
                          drop_policy=drop_policy)
-    return _gate_output(routing, logits.shape[1])
+    return _gate_output(routing, logits.shape[1], sparse_routes)
 
 
 def multiplicative_jitter(x: torch.Tensor, device: torch.device | None = None, epsilon: float = 1e-2) -> torch.Tensor:
@@ -202,10 +237,16 @@ class TopKGate(nn.Module):
                      ep_group=self.ep_group,
                      training=self.training)
 
-    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None) -> GateOutput:
-        """DeepSpeed's dense gate output ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` for ``input``."""
+    def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None, sparse_routes: bool = False,
+                use_tutel: bool = False) -> GateOutput | SparseGateOutput:
+        """DeepSpeed's dense gate output ``(l_aux, combine_weights, dispatch_mask, exp_counts)`` for ``input``.
+
+        With ``sparse_routes`` (DeepSpeed's argument) the sparse form (:func:`sparse`); ``use_tutel`` must stay
+        ``False``.
+        """
+        _no_tutel(use_tutel)
         start = time.perf_counter() if self.wall_clock_breakdown else 0.0
-        output = _gate_output(self.route(input, used_token), self.num_experts)
+        output = _gate_output(self.route(input, used_token), self.num_experts, sparse_routes)
         if self.wall_clock_breakdown:
             self.gate_time = (time.perf_counter() - start) * 1000.0
         return output

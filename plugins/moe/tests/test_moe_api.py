@@ -20,8 +20,6 @@ def _moe(**kw):
     (dict(k=0), r"k must be an int >= 1"),
     (dict(noisy_gate_policy="Foo"), r"noisy_gate_policy must be one of"),
     (dict(num_experts=3, ep_size=2), r"ep_size must divide num_experts"),
-    # without a process group: start one; with one of world size 1 (an earlier test's): it cannot hold ep_size 2
-    (dict(ep_size=2), r"start torch.distributed first|world size 1 must be a multiple of ep_size"),
     (dict(capacity_factor=0), r"capacity_factor must be a finite number > 0"),
     (dict(min_capacity=-1), r"min_capacity must be an int >= 0"),
     (dict(use_tutel=True), r"use_tutel"),
