@@ -266,3 +266,15 @@ def test_section_unknown_without_the_plugin():
     with pytest.raises(ConfigError, match="flops_profiler"):
         tiny_engine({"flops_profiler": {"enabled": True}, "plugins": {"disable": ["flops_profiler"]}},
                     plugins=_plugin_pairs())
+
+
+def test_step_key_of_deepspeeds_unit_tests_is_noticed_not_refused(tmp_path):
+    """DeepSpeed's own tests write ``flops_profiler.step``, which DeepSpeed ignores: accepted with a notice."""
+    torch.manual_seed(0)
+    engine = tiny_engine({"flops_profiler": {"enabled": True, "step": 5, "profile_step": 0,
+                                             "output_file": str(tmp_path / "p.txt")}}, plugins=_plugin_pairs())
+    notices = " ".join(engine.config.notices)
+    assert "flops_profiler.step: accepted, no effect here" in notices and "profile_step" in notices
+    assert "did you mean" not in notices
+    train_steps(engine, 1)  # profile_step 0 decides, as in DeepSpeed
+    assert engine.plugin_state("flops_profiler").result is not None and (tmp_path / "p.txt").exists()
