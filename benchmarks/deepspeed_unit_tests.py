@@ -7,6 +7,7 @@ Usage (CPU, gloo; needs a fetched copy of DeepSpeed's git repository, so this is
     python benchmarks/deepspeed_unit_tests.py --mode microspeed --features lr_schedules,comm
     python benchmarks/deepspeed_unit_tests.py --files tests/unit/comm/test_dist.py -k TestInit
     python benchmarks/deepspeed_unit_tests.py --report-only        # re-render the Markdown from the JSON
+    python benchmarks/deepspeed_unit_tests.py --check-imports      # every deepspeed name the stand-in lacks
 
 What it does:
 
@@ -249,6 +250,48 @@ def prebuild_ops(env: dict[str, str], timeout: int = 1800) -> None:
         print(f"building DeepSpeed's ops took over {timeout} s; a stale lock from a killed build? {locks}", flush=True)
 
 
+# Run in a process with the stand-in first on sys.path: every `deepspeed` name the given files import, tried one
+# by one (module-level and function-level imports alike), so a file's missing names are all listed, not the first.
+_IMPORT_CHECK = r'''
+import ast, importlib, json, sys
+out = {}
+for path in sys.argv[1:]:
+    missing = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            pairs = [(a.name, None) for a in node.names if a.name.split(".")[0] == "deepspeed"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "deepspeed":
+            pairs = [(node.module, a.name) for a in node.names]
+        else:
+            continue
+        for mod, name in pairs:
+            try:
+                m = importlib.import_module(mod)
+            except Exception as exc:
+                missing.append(f"{mod} ({type(exc).__name__}: {str(exc)[:120]})")
+                continue
+            if name and name != "*" and not hasattr(m, name):
+                try:
+                    importlib.import_module(f"{mod}.{name}")
+                except Exception:
+                    missing.append(f"{mod}.{name}")
+    out[path] = sorted(set(missing))
+print(json.dumps(out))
+'''
+
+
+def check_imports(files: list[str], workdir: Path, env: dict[str, str]) -> dict[str, list[str]]:
+    """Every ``deepspeed`` module/name the test files (and DeepSpeed's test helpers) import that is missing."""
+    helpers = ["tests/unit/common.py", "tests/unit/util.py", "tests/unit/simple_model.py"]
+    paths = [str(workdir / f) for f in helpers + files if (workdir / f).exists()]
+    res = subprocess.run([sys.executable, "-c", _IMPORT_CHECK, *paths], env=env, capture_output=True, text=True,
+                         cwd=workdir / "tests", timeout=600)
+    if res.returncode != 0:
+        raise RuntimeError(f"import check failed: {res.stderr[-2000:]}")
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    return {str(Path(p).relative_to(workdir)): names for p, names in found.items()}
+
+
 def _read_log(log: Path) -> list[dict]:
     if not log.exists():
         return []
@@ -464,8 +507,12 @@ def write_markdown(data: dict, path: Path) -> None:
             lines += ["## Passing under real DeepSpeed, not under microspeed", ""]
             lost_any = True
         lines += [f"### {f.removeprefix('tests/unit/')} ({len(reg)})", ""]
-        for nodeid, outcome, msg in reg:
-            lines.append(f"- `{nodeid.split('::', 1)[-1]}` — {outcome}: {_first_error_line(msg)}")
+        groups: dict[tuple[str, str], list[str]] = {}
+        for nodeid, outcome, msg in reg:  # one bullet per distinct error line
+            groups.setdefault((outcome, _first_error_line(msg)), []).append(nodeid.split("::", 1)[-1])
+        for (outcome, msg), names in sorted(groups.items(), key=lambda kv: -len(kv[1])):
+            shown = ", ".join(f"`{n}`" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            lines.append(f"- {len(names)} {outcome}: {msg or '(no message)'} — {shown}")
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
 
@@ -494,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-world-size", type=int, default=4, help="LOCAL_SIZE: tests needing more ranks skip")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output path without suffix (.json, .md)")
     ap.add_argument("--report-only", action="store_true", help="only re-render the Markdown from the JSON")
+    ap.add_argument("--check-imports", action="store_true",
+                    help="only list the deepspeed names the test files import that the stand-in lacks (fast)")
     ap.add_argument("--no-prebuild", action="store_true", help="do not build DeepSpeed's CPU ops first")
     ap.add_argument("--keep-tmp", action="store_true", help="keep the extracted tests and the pytest logs")
     args = ap.parse_args(argv)
@@ -524,6 +573,15 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="ds_unit_tests_"))
     commit = extract_tests(args.deepspeed_repo, args.ref, tmp)
     print(f"DeepSpeed tests from {args.deepspeed_repo} @ {commit[:12]} extracted to {tmp}", flush=True)
+    if args.check_imports:
+        env = mode_env("microspeed" if args.mode != "real" else "real", tmp, args.standin.resolve(),
+                       args.max_world_size)
+        for path, names in check_imports(files, tmp, env).items():
+            print(f"{path}: {'ok' if not names else ''}")
+            for name in names:
+                print(f"    missing {name}")
+        subprocess.run(["rm", "-rf", str(tmp)], check=False)
+        return 0
     data.update(deepspeed_repo=args.deepspeed_repo, commit=commit, timeout=args.timeout,
                 max_world_size=args.max_world_size)
     status = 0
