@@ -26,10 +26,12 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
+    distributed_port: int = 29500,
     mpu: Any = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable | None = None,
     config: Any = None,
+    mesh_param: Any = None,
     config_params: Any = None,
     plugins: Iterable[tuple[str, Any]] = (),
 ) -> tuple[Engine, Any, Any, Any]:
@@ -37,9 +39,10 @@ def initialize(
 
     Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``. ``config`` is a dict or
     a path to a JSON file (or ``args.deepspeed_config``); ``config_params`` is DeepSpeed's older
-    name for it. ``optimizer`` and ``lr_scheduler`` may be objects or callables
-    (params -> optimizer, optimizer -> scheduler). ``plugins`` registers extra
-    ``(name, plugin)`` pairs for this engine only (tests, notebooks).
+    name for it. The positional order is DeepSpeed 0.19.8's; ``distributed_port`` is used when
+    ``initialize`` starts ``torch.distributed`` itself. ``optimizer`` and ``lr_scheduler`` may be
+    objects or callables (params -> optimizer, optimizer -> scheduler). ``plugins`` registers
+    extra ``(name, plugin)`` pairs for this engine only (tests, notebooks).
     """
     if model is None:
         raise ConfigError("initialize(model=...): a torch.nn.Module is required.")
@@ -47,7 +50,10 @@ def initialize(
         raise ConfigError(f"initialize(model=...): expected a torch.nn.Module, got {type(model).__name__}.")
     if config is not None and config_params is not None:
         raise ConfigError("initialize(): give the ds_config as config= or config_params=, not both.")
-    comm.init_distributed(dist_init_required=dist_init_required)
+    if mesh_param is not None:
+        raise ConfigError("initialize(mesh_param=...): DeepSpeed's device mesh for Ulysses sequence parallelism is "
+                          "not supported by microspeed; leave it None.")
+    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
 
     pm = PluginManager()
     cfg: Config | None = None

@@ -166,3 +166,14 @@ def test_save_16bit_model_excludes_frozen_parameters(tiny_model, tmp_path):
     saved = torch.load(tmp_path / "m.bin")
     assert set(saved) == {"fc1.bias", "fc2.weight", "fc2.bias"}
     torch.testing.assert_close(saved["fc2.weight"], tiny_model.fc2.weight)
+
+
+def test_initialize_takes_deepspeeds_arguments_in_deepspeeds_order(tiny_model):
+    import inspect
+
+    names = list(inspect.signature(microspeed.initialize).parameters)
+    assert names[:13] == ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                          "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
+                          "config_params"]  # deepspeed.initialize's order in 0.19.8
+    with pytest.raises(microspeed.ConfigError, match=r"mesh_param=.*not supported"):
+        microspeed.initialize(model=tiny_model, config=_config(), mesh_param=(2, 1))
