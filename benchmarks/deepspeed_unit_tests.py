@@ -595,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         mdata = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
                  "microspeed": _microspeed_fingerprint(), "files": dict(prev.get("files", {}))}
         t0 = time.time()
+        ran: list[str] = []
         for f in files:
             print(f"[{mode}] {f} ...", flush=True)
             res = run_file(f, tmp, env, args.timeout, args.keyword, log_dir)
@@ -616,9 +617,12 @@ def main(argv: list[str] | None = None) -> int:
                 status = 1
             # save after every file: a long run interrupted keeps what it measured
             mdata["wall_s"] = round(time.time() - t0, 1)
-            # another run (the other mode) may have written meanwhile: take its results, replace only ours
+            # another run may have written meanwhile: keep its results, replace only the files this run ran
+            ran.append(f)
             if json_path.exists():
-                data["modes"] = {**json.loads(json_path.read_text())["modes"], mode: mdata}
+                disk = json.loads(json_path.read_text())["modes"]
+                mdata["files"] = {**disk.get(mode, {}).get("files", {}), **{r: mdata["files"][r] for r in ran}}
+                data["modes"] = disk
             data["modes"][mode] = mdata
             args.out.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
