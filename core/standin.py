@@ -28,7 +28,7 @@ STANDIN_VERSION = "0.19.8+microspeed"
 """The stand-in distribution's version: DeepSpeed's version it mirrors, marked as microspeed."""
 
 #: Files only real DeepSpeed has: finding one beside the stand-in's ``__init__.py`` means two installs merged.
-REAL_ONLY_FILES = ("git_version_info.py", "ops/op_builder", "inference", "module_inject")
+REAL_ONLY_FILES = ("git_version_info_installed.py", "ops/op_builder", "inference", "module_inject")
 
 
 class StandinConflictError(PluginError, ImportError):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["clone_tensors_for_torch_save", "move_to_device", "set_random_seed"]
+__all__ = ["PartitionedTensor", "clone_tensors_for_torch_save", "move_to_device", "set_random_seed"]
 
 
 def move_to_device(item: Any, device: torch.device | str, criterion_func: Any = None) -> Any:
@@ -66,3 +66,86 @@ def set_random_seed(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def _even_bounds(numel: int, parts: int) -> list[int]:
+    """Cut points splitting ``numel`` elements into ``parts`` runs whose lengths differ by at most one."""
+    base, extra = divmod(numel, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+class PartitionedTensor:
+    """A tensor split over the ranks of a process group: each rank keeps one flat slice.
+
+    ``PartitionedTensor(tensor, group)`` (every rank passes the same full tensor) keeps this rank's
+    slice of the flattened tensor in :attr:`local_data`; :meth:`full` gathers the slices back into
+    the original shape. :meth:`to_meta` describes the split as a 1-D ``long`` tensor (shape and cut
+    points) small enough to send between pipeline stages; :meth:`from_meta` rebuilds the object on
+    a receiver from that description and its slice. Slices differ in length by at most one element.
+    (DeepSpeed's ``deepspeed.runtime.utils.PartitionedTensor``.)
+    """
+
+    def __init__(self, tensor: torch.Tensor, group: Any, partition_meta: torch.Tensor | None = None) -> None:
+        from microspeed import comm
+
+        self.group = group
+        self.num_parts = comm.get_world_size(group=group)
+        self.rank = comm.get_rank(group=group)
+        self.orig_size = list(tensor.size())
+        self.orig_device = tensor.device
+        if partition_meta is None:
+            self.partition = _even_bounds(tensor.numel(), self.num_parts)
+            flat = tensor.detach().contiguous().view(-1)
+            self.local_data = flat[self.partition[self.rank]:self.partition[self.rank + 1]].clone()
+        else:
+            self.orig_size, self.partition = self._read_meta(partition_meta, self.num_parts)
+            self.local_data = tensor
+
+    @staticmethod
+    def _read_meta(meta: torch.Tensor, num_parts: int) -> tuple[list[int], list[int]]:
+        """``(shape, cut points)`` from a :meth:`to_meta` tensor; ``ValueError`` when it does not fit the group."""
+        values = [int(v) for v in meta.tolist()]
+        ndims = values[0]
+        shape = values[1:1 + ndims]
+        parts = values[1 + ndims]
+        bounds = values[2 + ndims:]
+        if parts != num_parts or len(bounds) != parts + 1:
+            raise ValueError(f"PartitionedTensor meta describes {parts} parts, the group has {num_parts} ranks")
+        return shape, bounds
+
+    @classmethod
+    def from_meta(cls, meta: torch.Tensor, local_part: torch.Tensor, group: Any,
+                  device: torch.device | str | None = None) -> PartitionedTensor:
+        """The partitioned tensor described by ``meta`` (from :meth:`to_meta`) whose slice here is ``local_part``."""
+        del device  # the slice stays where it is; full() gathers on its device
+        return cls(tensor=local_part, group=group, partition_meta=meta)
+
+    def to_meta(self) -> torch.Tensor:
+        """``[ndims, *shape, num_parts, *cut_points]`` as a 1-D ``long`` tensor (on the CPU)."""
+        return torch.tensor([len(self.orig_size), *self.orig_size, self.num_parts, *self.partition], dtype=torch.long)
+
+    def data(self) -> torch.Tensor:
+        """This rank's flat slice."""
+        return self.local_data
+
+    def local_size(self) -> torch.Size:
+        """The size of this rank's flat slice (1-D)."""
+        return self.local_data.size()
+
+    def full(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """The whole tensor, gathered from every rank's slice, in its original shape."""
+        from microspeed import comm
+
+        longest = max(self.partition[i + 1] - self.partition[i] for i in range(self.num_parts))
+        padded = torch.zeros(longest * self.num_parts, dtype=self.local_data.dtype, device=self.local_data.device)
+        mine = padded.narrow(0, self.rank * longest, self.local_data.numel())
+        mine.copy_(self.local_data.view(-1))
+        slots = list(padded.split(longest))
+        comm.all_gather(slots, slots[self.rank].clone(), group=self.group)
+        pieces = [slots[i][: self.partition[i + 1] - self.partition[i]] for i in range(self.num_parts)]
+        flat = torch.cat(pieces) if pieces else padded[:0]
+        out = flat.view(self.orig_size)
+        return out if device is None else out.to(device)

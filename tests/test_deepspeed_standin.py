@@ -289,7 +289,7 @@ def test_mixing_refused_for_a_merged_install(tmp_path):
 
     target = tmp_path / "deepspeed"
     shutil.copytree(os.path.join(STANDIN, "deepspeed"), target)
-    (target / "git_version_info.py").write_text("version = '0.19.8'\n")
+    (target / "git_version_info_installed.py").write_text("version = '0.19.8'\n")
     proc = _run(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
@@ -300,7 +300,7 @@ def test_mixing_refused_for_a_merged_install(tmp_path):
     """, standin_first=False)
     assert proc.returncode == 0, proc.stderr
     assert "REFUSED StandinConflictError" in proc.stdout
-    assert str(target / "git_version_info.py") in proc.stdout and str(target / "__init__.py") in proc.stdout
+    assert str(target / "git_version_info_installed.py") in proc.stdout and str(target / "__init__.py") in proc.stdout
 
 
 # --------------------------------------------------------------------------------- launching with it
@@ -483,6 +483,40 @@ def test_comm_deepspeed_names():
     if comm.get_rank() == 0:
         assert comm.get_world_size(solo) == 1
     assert comm.get_local_rank() == comm.get_rank()
+
+
+@pytest.mark.slow
+@distributed(world_size=3)
+def test_partitioned_tensor_splits_and_gathers():
+    from microspeed import comm
+    from microspeed.tensor_utils import PartitionedTensor
+
+    full = torch.arange(35.0).view(7, 5)  # 35 elements over 3 ranks: slices of 12, 12, 11
+    part = PartitionedTensor(full, group=None)
+    rank = comm.get_rank()
+    assert part.local_size() == torch.Size([[12, 12, 11][rank]])
+    assert torch.equal(part.data(), full.view(-1)[[0, 12, 24][rank]:[12, 24, 35][rank]])
+    assert torch.equal(part.full(), full)
+    meta = part.to_meta()
+    assert meta.tolist() == [2, 7, 5, 3, 0, 12, 24, 35]
+    rebuilt = PartitionedTensor.from_meta(meta, part.local_data, None)
+    assert torch.equal(rebuilt.full(), full) and rebuilt.local_size() == part.local_size()
+    with pytest.raises(ValueError, match="describes 2 parts"):
+        PartitionedTensor.from_meta(torch.tensor([1, 4, 2, 0, 2, 4]), part.local_data, None)
+
+
+def test_git_version_info_reports_the_standin():
+    proc = _run("""
+        import json, torch
+        import deepspeed.git_version_info as g
+        print("OUT " + json.dumps([g.version, g.git_hash, sorted(set(g.installed_ops.values())), g.accelerator_name,
+                                   g.torch_info]))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    version, git_hash, ops, acc, info = _line(proc.stdout, "OUT")
+    assert version == "0.19.8+microspeed" and git_hash == "[none]" and ops == [False] and acc == "cpu"
+    assert info["version"] == ".".join(torch.__version__.split(".")[:2]) and info["cuda_version"] == "0.0"
+    assert info["nccl_version"] == "0.0" and info["bf16_support"] is True
 
 
 def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from microspeed.tensor_utils import clone_tensors_for_torch_save, move_to_device, set_random_seed
+from microspeed.tensor_utils import PartitionedTensor, clone_tensors_for_torch_save, move_to_device, set_random_seed
 
 #: Served by the pipeline plugin (``microspeed.pipe.module``), imported when first used.
 PIPE_NAMES = ("partition_uniform", "partition_balanced")
 
-__all__ = ["clone_tensors_for_torch_save", "move_to_device", "prefix_sum_inc", "see_memory_usage",
+__all__ = ["PartitionedTensor", "clone_tensors_for_torch_save", "move_to_device", "prefix_sum_inc", "see_memory_usage",
            "set_random_seed", *PIPE_NAMES]
 
 
