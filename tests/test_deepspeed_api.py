@@ -177,3 +177,22 @@ def test_initialize_takes_deepspeeds_arguments_in_deepspeeds_order(tiny_model):
                           "config_params"]  # deepspeed.initialize's order in 0.19.8
     with pytest.raises(microspeed.ConfigError, match=r"mesh_param=.*not supported"):
         microspeed.initialize(model=tiny_model, config=_config(), mesh_param=(2, 1))
+
+
+def test_get_mom_and_batch_setters_follow_deepspeed(tiny_model):
+    engine, *_ = microspeed.initialize(model=tiny_model, config=_config())
+    assert engine.get_mom() == [0.9]  # SGD: momentum
+    adam, *_ = microspeed.initialize(model=copy.deepcopy(tiny_model), config={
+        "train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 0.1, "betas": [0.8, 0.9]}}})
+    assert [tuple(b) for b in adam.get_mom()] == [(0.8, 0.9)]
+    engine.set_train_batch_size(12)  # micro-batch 2 stays, accumulation becomes 6
+    assert (engine.train_batch_size(), engine.gradient_accumulation_steps()) == (12, 6)
+    with pytest.raises(ValueError, match="divisible by micro-batch data parallelism"):
+        engine.set_train_batch_size(7)
+    engine.set_train_micro_batch_size(4)  # accumulation stays 6
+    assert engine.get_batch_info() == (24, 4, 6)
+    calls = _counting(engine)
+    for x, y in _batches(6):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert calls == [1]  # one optimizer step per 6 micro-steps

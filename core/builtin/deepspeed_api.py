@@ -58,6 +58,36 @@ def _zero3_consolidated_16bit_state_dict(exclude_frozen_parameters: bool = False
                      "plugin); otherwise engine.module.state_dict() already holds the full weights.")
 
 
+def _optimizer_param(engine: Any, name: str) -> list[Any]:
+    """Each parameter group's ``name`` (0.0 where a group lacks it); empty without an optimizer."""
+    if engine.optimizer is None:
+        return []
+    return [group.get(name, 0.0) for group in engine.optimizer.param_groups]
+
+
+def _get_mom(engine: Any) -> list[Any]:
+    """DeepSpeed's ``get_mom``: ``momentum`` for SGD and RMSprop, else each group's ``betas``."""
+    name = engine.config.get("optimizer.type") or type(engine.optimizer).__name__
+    return _optimizer_param(engine, "momentum" if name in ("SGD", "RMSprop") else "betas")
+
+
+def _set_train_batch_size(engine: Any, train_batch_size: int) -> None:
+    """A new global batch: the accumulation steps change, the micro-batch does not (DeepSpeed's rule)."""
+    per_step = engine.train_micro_batch_size_per_gpu() * engine.topology.data_parallel_size
+    if train_batch_size % per_step != 0:
+        raise ValueError(f"Train batch size must be divisible by micro-batch data parallelism: {train_batch_size} "
+                         f"is not a multiple of {per_step} (micro-batch x data-parallel size)")
+    engine.config.set("train_batch_size", train_batch_size)
+    engine.config.set("gradient_accumulation_steps", train_batch_size // per_step)
+
+
+def _set_train_micro_batch_size(engine: Any, micro_batch_size: int) -> None:
+    """A new micro-batch with the same accumulation steps; the global batch follows (DeepSpeed's rule)."""
+    gas, dp = engine.gradient_accumulation_steps(), engine.topology.data_parallel_size
+    engine.config.set("train_micro_batch_size_per_gpu", micro_batch_size)
+    engine.config.set("train_batch_size", micro_batch_size * gas * dp)
+
+
 def _destroy(engine: Any) -> None:
     """Release what the engine holds for training (as DeepSpeed's ``destroy``): optimizer first."""
     optimizer = engine.optimizer
@@ -112,5 +142,8 @@ class DeepSpeedApiPlugin:
             "_consolidated_16bit_state_dict": _consolidated_16bit_state_dict,
             "_zero3_consolidated_16bit_state_dict": _zero3_consolidated_16bit_state_dict,
             "destroy": lambda: _destroy(engine),
+            "get_mom": lambda: _get_mom(engine),
+            "set_train_batch_size": lambda n: _set_train_batch_size(engine, n),
+            "set_train_micro_batch_size": lambda n: _set_train_micro_batch_size(engine, n),
         })
         return api
