@@ -13,6 +13,7 @@ The runtime is found from ``p._zero = (runtime, segment index, position)`` and a
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -58,6 +59,20 @@ class _AccessHook:
                 rt.on_access(params, name)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """A copy of the plain class (``copy.deepcopy(engine.module)`` for an EMA model), after the wait."""
+        z = self.__dict__.get("_zero")
+        if z is not None:
+            z[0].on_access([self], "__deepcopy__")
+        cls = type(self)
+        if not issubclass(cls, _AccessHook):  # the access made it ready
+            return copy.deepcopy(self, memo)
+        self.__class__ = cls._zero_base
+        try:
+            return copy.deepcopy(self, memo)
+        finally:
+            self.__class__ = cls
 
 
 def watched_class(cls: type) -> type:

@@ -280,7 +280,10 @@ class ParameterPartitioner:
     # -- module hooks ----------------------------------------------------------------------------
 
     def _install_hooks(self, model: torch.nn.Module) -> None:
-        for module in model.modules():  # every module: the innermost running one owns what is gathered on use
+        for module in model.modules():  # the innermost running one owns what is gathered on use
+            if module is not model and next(module.parameters(), None) is None and not hasattr(
+                    module, "_external_params"):
+                continue  # no parameter in its sub-tree (activations, dropout): its parent's frame serves
             self.handles.append(module.register_forward_pre_hook(lambda m, a: self._pre_forward(m)))
             self.handles.append(module.register_forward_hook(lambda m, a, out: self._post_forward(m, out)))
 
@@ -294,10 +297,10 @@ class ParameterPartitioner:
         else:
             base = self.module_segments.get(module, [])
         extra = self.auto_external.get(module)
-        registered = external_parameters(module)
+        registered = getattr(module, "_external_params", None)
         if not extra and not registered:
             return base
-        more = set(extra or ()) | {self.seg_of[id(p)] for p in registered if id(p) in self.seg_of}
+        more = set(extra or ()) | {self.seg_of[id(p)] for p in external_parameters(module) if id(p) in self.seg_of}
         return sorted(set(base) | more)
 
     def _pre_forward(self, module: torch.nn.Module) -> None:

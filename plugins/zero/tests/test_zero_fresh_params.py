@@ -20,6 +20,8 @@ def _model() -> torch.nn.Module:
 
 
 def _train(stage: int, overlap: bool) -> dict:
+    import copy
+
     import torch.distributed as dist
 
     import microspeed
@@ -41,6 +43,9 @@ def _train(stage: int, overlap: bool) -> dict:
         for n, p in engine.module.named_parameters():  # right after step: an EMA update
             ema[n].mul_(0.9).add_(p.detach(), alpha=0.1)
         data_reads.append([p.data.clone() for p in engine.module.parameters()])
+        copied = copy.deepcopy(engine.module)  # an EMA model made by copying, right after a step
+        assert all(type(p) is torch.nn.Parameter for p in copied.parameters())
+        data_reads.append([p.detach() for p in copied.parameters()])
         saved.append({k: v.clone() for k, v in engine.module.state_dict().items()})
     return {"ema": ema, "data": data_reads, "state": saved}
 
