@@ -24,10 +24,11 @@ written in the stage-2 layout (its weights and optimizer state are the same numb
 stage-3 file format is not written). Differences from a file DeepSpeed wrote: parameters the
 optimizer does not hold (frozen) are listed in ``buffer_names`` (a microspeed checkpoint does not
 tell them from buffers; ``zero_to_fp32`` still returns them, in fp32); DeepSpeed's pickled helper
-objects (``LossScaler``, ``ZeroStageEnum``) are plain values, so DeepSpeed's own ``load_checkpoint``
-is not a goal — its offline tools are. A stage-0 fp16/bf16 run has fp32 masters that DeepSpeed's
-stage-0 layout keeps inside its ``FP16_Optimizer`` / ``BF16_Optimizer`` files: export it with
-``--zero-stage 1`` (the refusal says so).
+objects (``LossScaler``, ``ZeroStageEnum``) are plain values and ``param_slice_mappings`` (fragment
+addresses for ``ds_to_universal``, DeepSpeed objects) is not written, so DeepSpeed's own
+``load_checkpoint`` is not a goal — ``zero_to_fp32`` and readers of the module file are. A stage-0
+fp16/bf16 run has fp32 masters that DeepSpeed's stage-0 layout keeps inside its ``FP16_Optimizer`` /
+``BF16_Optimizer`` files: export it with ``--zero-stage 1`` (the refusal says so).
 """
 
 from __future__ import annotations

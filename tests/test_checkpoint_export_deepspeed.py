@@ -216,3 +216,55 @@ def test_transformers_loads_zero_to_fp32_output(tmp_path):
     engine.module.eval()
     with torch.no_grad():
         assert torch.equal(loaded.eval()(input_ids=ids).logits, engine.module(input_ids=ids).logits)
+
+
+def _deepspeed_save(root: str) -> None:
+    """Real DeepSpeed 0.19.8 (1 rank, CPU) saves the same model at ZeRO 0 and 2, for the layout comparison."""
+    import deepspeed
+
+    for stage in (0, 2):
+        model = _model()
+        cfg = {**_config(stage, "fp32", 1), "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        engine.backward(engine(torch.randn(4, 7)).pow(2).mean())
+        engine.step()
+        engine.save_checkpoint(os.path.join(root, f"ds{stage}"), tag="global_step1", client_state={"epoch": 3})
+
+
+def _keys(tree, depth: int = 0) -> dict:
+    """The nested key structure of a checkpoint dict (values' kinds, not their numbers)."""
+    if isinstance(tree, dict) and depth < 3:
+        return {str(k): _keys(v, depth + 1) for k, v in tree.items()
+                if not (isinstance(k, int) or str(k).isdigit())}
+    if isinstance(tree, torch.Tensor):
+        return "tensor"
+    return type(tree).__name__ if tree is not None else "None"
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_export_has_deepspeeds_keys(saved, tmp_path):
+    """The exported files hold the keys DeepSpeed 0.19.8's own save writes (same names, same kinds of values)."""
+    root = str(tmp_path)
+    run_distributed(_deepspeed_save, world_size=1, args=(root,), timeout=300, env={"DS_ACCELERATOR": "cpu"})
+    for stage in (0, 2):
+        assert checkpoint_cli(["export-deepspeed", os.path.join(saved, f"1_{stage}_fp32"), f"{root}/ms{stage}"]) == 0
+        ours_dir, theirs_dir = f"{root}/ms{stage}/global_step3", f"{root}/ds{stage}/global_step1"
+        theirs_files = sorted(f for f in os.listdir(theirs_dir) if f.endswith(".pt"))
+        assert sorted(os.listdir(ours_dir)) == theirs_files
+        for name in theirs_files:
+            ours = torch.load(os.path.join(ours_dir, name), weights_only=False)
+            theirs = torch.load(os.path.join(theirs_dir, name), weights_only=False)
+            mine, ref = _keys(ours), _keys(theirs)
+            if name.startswith("mp_rank"):
+                assert set(mine) == set(ref) - {"checkpoint_parallel_dimensions"}, (name, set(ref) ^ set(mine))
+                for key in ("module", "buffer_names", "param_shapes", "shared_params", "global_steps", "ds_version"):
+                    assert mine[key] == ref[key], key
+                assert list(ours["module"]) == list(theirs["module"])
+            else:
+                osd, ref_osd = mine["optimizer_state_dict"], ref["optimizer_state_dict"]
+                assert set(osd) <= set(ref_osd), set(osd) - set(ref_osd)
+                missing = set(ref_osd) - set(osd)  # fragment addresses for ds_to_universal: DeepSpeed objects
+                assert missing <= {"param_slice_mappings"}, missing
+                assert osd["base_optimizer_state"] == ref_osd["base_optimizer_state"]
