@@ -150,8 +150,15 @@ class Accelerator:
         return f"cuda:{torch.cuda.current_device()}" if self._cuda else "cpu"
 
     def device_count(self) -> int:
-        """Number of devices (the CPU counts as one)."""
-        return torch.cuda.device_count() if self._cuda else 1
+        """Number of devices: CUDA's count; on the CPU, ``$LOCAL_SIZE`` when set (the ranks a launcher runs on
+        this host, each its own "CPU device", as DeepSpeed's CPU accelerator counts), else one."""
+        if self._cuda:
+            return torch.cuda.device_count()
+        try:
+            local = int(os.environ.get("LOCAL_SIZE", "0"))
+        except ValueError:
+            local = 0
+        return local if local > 0 else 1
 
     def is_available(self) -> bool:
         """Whether the device can be used."""

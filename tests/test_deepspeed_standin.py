@@ -445,6 +445,15 @@ def test_get_accelerator_cpu_answers():
         acc.create_op_builder("CPUAdamBuilder")
 
 
+def test_cpu_device_count_follows_local_size(monkeypatch):
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    assert Accelerator("cpu").device_count() == 1
+    monkeypatch.setenv("LOCAL_SIZE", "4")
+    assert Accelerator("cpu").device_count() == 4
+    monkeypatch.setenv("LOCAL_SIZE", "x")
+    assert Accelerator("cpu").device_count() == 1
+
+
 def test_ds_accelerator_env_is_checked(monkeypatch):
     from microspeed import accelerator
 
@@ -517,6 +526,135 @@ def test_git_version_info_reports_the_standin():
     assert version == "0.19.8+microspeed" and git_hash == "[none]" and ops == [False] and acc == "cpu"
     assert info["version"] == ".".join(torch.__version__.split(".")[:2]) and info["cuda_version"] == "0.0"
     assert info["nccl_version"] == "0.0" and info["bf16_support"] is True
+
+
+CONFIG_OBJECTS = """
+import json, os, sys, tempfile
+import pydantic
+from deepspeed.runtime.config import DeepSpeedConfig, BatchSizeError, ADAM_OPTIMIZER
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel, get_config_default
+from deepspeed.runtime.zero.config import (DeepSpeedZeroConfig, DeepSpeedZeroOffloadOptimizerConfig,
+                                           DeepSpeedZeroOffloadParamConfig, ZeroStageEnum)
+from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+from microspeed.deepspeed_config import default_of
+out = {}
+
+class Conf(DeepSpeedConfigModel):
+    a: int = 0
+    old: str | None = pydantic.Field(None, json_schema_extra={"deprecated": True, "new_param": "new",
+                                                                "new_param_fn": lambda v: [v]})
+    new: list[str] | None = None
+    c: int = pydantic.Field(0, alias="c_alias")
+
+out["model"] = [Conf(a=3).a, Conf(old="x").new, Conf(c_alias=4).c, Conf(c=5).c, Conf(a="auto").a,
+                get_config_default(Conf, "a")]
+for bad in ({"a": "x"}, {"typo": 1}):
+    try:
+        Conf(**bad)
+    except pydantic.ValidationError:
+        out.setdefault("refused", []).append(sorted(bad))
+try:
+    Conf(old="x", new=["y"])
+except AssertionError as e:
+    out["both"] = "not both" in str(e)
+
+z = DeepSpeedZeroConfig(cpu_offload=True, stage3_prefetch_bucket_size=123, stage=2)
+out["zero"] = [isinstance(z.offload_optimizer, DeepSpeedZeroOffloadOptimizerConfig), z.offload_optimizer.device,
+               z.offload_param, z.prefetch_bucket_size, z.stage == ZeroStageEnum.gradients,
+               z.overlap_comm == default_of("zero_optimization.overlap_comm"),
+               z.reduce_bucket_size == default_of("zero_optimization.reduce_bucket_size")]
+out["zero_param"] = type(DeepSpeedZeroConfig(cpu_offload_param=True).offload_param).__name__
+out["pipeline"] = [DeepSpeedZeroOffloadOptimizerConfig(pipeline_read=True).pipeline,
+                   DeepSpeedZeroOffloadOptimizerConfig().pipeline]
+try:
+    DeepSpeedZeroConfig(stag=1)
+except pydantic.ValidationError as e:
+    out["zero_typo"] = "zero_optimization.stag: unknown key. Did you mean 'stage'?" in str(e)
+
+c = DeepSpeedConfig({"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                     "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+                     "csv_monitor": {"enabled": True, "output_path": "x", "job_name": "j"}})
+out["config"] = [c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
+                 c.zero_optimization_stage, c.zero_enabled, c.bfloat16_enabled, c.fp16_enabled,
+                 c.optimizer_name == ADAM_OPTIMIZER, c.optimizer_params, c.monitor_config.enabled,
+                 c.monitor_config.csv_monitor.job_name, c._param_dict["train_batch_size"]]
+c.world_size = 2
+for triad in ((32, 8, None), (None, 8, 2), (33, 17, None), (None, None, 2)):
+    c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps = triad
+    try:
+        c._configure_train_batch_size()
+        out.setdefault("triads", []).append([c.train_batch_size, c.train_micro_batch_size_per_gpu,
+                                             c.gradient_accumulation_steps])
+    except AssertionError as e:
+        out.setdefault("triads", []).append(type(e).__name__)
+path = os.path.join(tempfile.mkdtemp(), "c.json")
+with open(path, "w") as f:
+    f.write('{"train_batch_size": 4, // comment\\n "train_batch_size": 4,}')
+try:
+    DeepSpeedConfig(path)
+except ValueError as e:
+    out["dup"] = "duplicate keys ['train_batch_size']" in str(e)
+try:
+    DeepSpeedConfig({"train_batch_size": 4, "fp16": {"enabled": True, "loss_scal": 0}})
+except ValueError as e:
+    out["typo"] = "fp16.loss_scal: unknown key" in str(e)
+out["fp16"] = [get_float16_config({"fp16": {"enabled": True}}).enabled,
+               get_float16_config({}).loss_scale_window == default_of("fp16.loss_scale_window"),
+               get_bfloat16_config({"bf16": {"enabled": True}}).enabled]
+print("OUT " + json.dumps(out))
+"""
+
+
+def test_deepspeed_config_objects_read_with_microspeeds_parser():
+    proc = _run(CONFIG_OBJECTS)
+    assert proc.returncode == 0, proc.stderr
+    out = _line(proc.stdout, "OUT")
+    assert out["model"] == [3, ["x"], 4, 5, 0, 0] and out["refused"] == [["a"], ["typo"]] and out["both"]
+    assert out["zero"] == [True, "cpu", None, 123, True, True, True]
+    assert out["zero_param"] == "DeepSpeedZeroOffloadParamConfig" and out["pipeline"] == [True, False]
+    assert out["zero_typo"] and out["dup"] and out["typo"]
+    assert out["config"] == [8, 8, 1, 1, True, True, False, True, {"lr": 0.1}, True, "j", 8]
+    assert out["triads"] == [[32, 8, 2], [32, 8, 2], "BatchSizeError", "BatchSizeError"]
+    assert out["fp16"] == [True, True, True]
+
+
+MONITORS_AND_OPS = """
+import json, os, sys, tempfile
+import deepspeed
+from deepspeed.monitor.config import DeepSpeedMonitorConfig, get_monitor_config
+from deepspeed.monitor.monitor import MonitorMaster
+from deepspeed.monitor.wandb import WandbMonitor
+from deepspeed.ops.op_builder import FusedAdamBuilder, CPUAdamBuilder
+from deepspeed.utils.groups import _get_expert_parallel_ranks
+out = {}
+root = tempfile.mkdtemp()
+cfg = get_monitor_config({"csv_monitor": {"enabled": True, "output_path": root, "job_name": "job"}})
+master = MonitorMaster(cfg)
+master.write_events([("Train/Samples/loss", 1.5, 4), ("Train/Samples/loss", 1.25, 8)])
+with open(os.path.join(root, "job", "Train_Samples_loss.csv")) as f:
+    out["csv"] = f.read().splitlines()
+out["defaults"] = [DeepSpeedMonitorConfig().enabled, DeepSpeedMonitorConfig().tensorboard.job_name]
+try:
+    WandbMonitor(get_monitor_config({"wandb": {"enabled": True}}).wandb)
+except ValueError as e:
+    out["wandb"] = "does not log to Weights & Biases" in str(e)
+out["ops"] = [deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME], deepspeed.ops.__compatible_ops__["async_io"],
+              FusedAdamBuilder().load().FusedAdam is deepspeed.ops.adam.FusedAdam,
+              CPUAdamBuilder().load().DeepSpeedCPUAdam is deepspeed.ops.adam.DeepSpeedCPUAdam]
+out["ranks"] = [_get_expert_parallel_ranks(8, 1, 2), _get_expert_parallel_ranks(8, 2, 2)]
+print("OUT " + json.dumps(out))
+"""
+
+
+def test_monitors_op_builders_and_expert_rank_layout():
+    proc = _run(MONITORS_AND_OPS)
+    assert proc.returncode == 0, proc.stderr
+    out = _line(proc.stdout, "OUT")
+    assert out["csv"] == ["step,loss", "4,1.5", "8,1.25"]
+    assert out["defaults"] == [False, "DeepSpeedJobName"] and out["wandb"]
+    assert out["ops"] == [True, False, True, True]
+    assert out["ranks"][0] == [[[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]]
+    assert out["ranks"][1] == [[[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]]]
 
 
 def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
@@ -646,6 +784,10 @@ def test_standin_metadata_matches_its_pyproject():
     meta = (Path(STANDIN) / "deepspeed-0.19.8+microspeed.dist-info" / "METADATA").read_text()
     assert 'name = "deepspeed"' in pyproject and f'version = "{standin.STANDIN_VERSION}"' in pyproject
     assert "Name: deepspeed\n" in meta and f"Version: {standin.STANDIN_VERSION}\n" in meta
+    assert 'dependencies = ["microspeed", "pydantic>=2"]' in pyproject
+    assert "Requires-Dist: microspeed\nRequires-Dist: pydantic>=2\n" in meta
+    core = (root.parent.parent / "pyproject.toml").read_text()
+    assert "pydantic" not in core  # only the stand-in's config models use it
 
 
 ZERO_TO_FP32_ON_DEEPSPEED = """

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 import deepspeed as _deepspeed
+from deepspeed.ops import op_builder as _op_builder
 from microspeed.accelerator import get_accelerator as _get_accelerator
 
 version: str = _deepspeed.__version__
@@ -28,8 +29,8 @@ installed_ops: dict[str, bool] = dict.fromkeys(
     ("async_io", "cpu_adagrad", "cpu_adam", "cpu_lion", "fused_adam", "fused_lamb", "fused_lion", "pin_memory"),
     False)
 
-#: Which of those could be built here: none through DeepSpeed's builders (the stand-in has no ``op_builder``).
-compatible_ops: dict[str, bool] = dict(installed_ops)
+#: Which ops work here: those microspeed implements in torch (see :mod:`deepspeed.ops.op_builder`).
+compatible_ops: dict[str, bool] = dict(_op_builder.COMPATIBLE_OPS)
 
 accelerator_name: str = _get_accelerator().device_name()
 """The accelerator microspeed uses in this process (``cpu`` or ``cuda``)."""

@@ -131,3 +131,44 @@ def _get_expert_data_parallel_world_size(group_name: str) -> int:
     from microspeed.moe.groups import get_expert_groups
 
     return get_expert_groups(_ep_size(group_name)).edp_size
+
+
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1,
+                               use_data_before_expert_parallel_: bool = False) -> tuple[list[list[int]],
+                                                                                        list[list[int]]]:
+    """The rank lists of the expert-parallel and expert-data-parallel groups, without creating them.
+
+    Data-parallel groups are the ranks with the same tensor-parallel offset in one pipeline stage
+    (stride ``tensor_parallel_size_``); each is cut into consecutive runs of ``expert_parallel_size_``
+    ranks (an expert-parallel group), and the ranks at the same position of those runs hold the same
+    experts (an expert-data-parallel group). With one tensor and pipeline stage this is the layout
+    microspeed's MoE plugin creates (``ep_size_<n>`` groups over the world); microspeed lays experts
+    out expert-first only.
+    """
+    if use_data_before_expert_parallel_:
+        raise ValueError("_get_expert_parallel_ranks(use_data_before_expert_parallel_=True): microspeed lays expert "
+                         "groups out expert-first only (consecutive data-parallel ranks share experts)")
+    for name, value in (("tensor_parallel_size_", tensor_parallel_size_), ("expert_parallel_size_",
+                                                                           expert_parallel_size_),
+                        ("pipeline_parallel_size_", pipeline_parallel_size_)):
+        if value < 1:
+            raise ValueError(f"_get_expert_parallel_ranks({name}={value}): must be at least 1")
+    stage_size = world_size // pipeline_parallel_size_
+    if world_size % pipeline_parallel_size_ or stage_size % tensor_parallel_size_:
+        raise ValueError(f"_get_expert_parallel_ranks: world_size={world_size} must be a multiple of "
+                         f"pipeline_parallel_size_ x tensor_parallel_size_ = "
+                         f"{pipeline_parallel_size_ * tensor_parallel_size_}")
+    dp_size = stage_size // tensor_parallel_size_
+    if dp_size % expert_parallel_size_:
+        raise ValueError(f"_get_expert_parallel_ranks: the data-parallel size {dp_size} must be a multiple of "
+                         f"expert_parallel_size_={expert_parallel_size_}")
+    ep_groups: list[list[int]] = []
+    edp_groups: list[list[int]] = []
+    for stage in range(pipeline_parallel_size_):
+        for offset in range(tensor_parallel_size_):
+            dp_ranks = list(range(stage * stage_size + offset, (stage + 1) * stage_size, tensor_parallel_size_))
+            ep_groups.extend(dp_ranks[i:i + expert_parallel_size_]
+                             for i in range(0, dp_size, expert_parallel_size_))
+            edp_groups.extend(dp_ranks[j::expert_parallel_size_] for j in range(expert_parallel_size_))
+    return ep_groups, edp_groups
