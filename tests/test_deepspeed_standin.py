@@ -642,6 +642,21 @@ out["ops"] = [deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME], deepspeed
               FusedAdamBuilder().load().FusedAdam is deepspeed.ops.adam.FusedAdam,
               CPUAdamBuilder().load().DeepSpeedCPUAdam is deepspeed.ops.adam.DeepSpeedCPUAdam]
 out["ranks"] = [_get_expert_parallel_ranks(8, 1, 2), _get_expert_parallel_ranks(8, 2, 2)]
+import torch
+for args, kwargs in (((), {"model": None}), ((torch.nn.Linear(2, 2),), {})):
+    try:
+        deepspeed.initialize(*args, config={"train_batch_size": 1}, **kwargs)
+    except AssertionError as e:
+        out.setdefault("no_model", []).append([type(e).__name__, "pass the model as initialize(model=...)" in str(e)])
+from deepspeed.runtime.zero.partition_parameters import MultipleAllGatherHandles, partitioned_param_data_shape
+class Handle:
+    def __init__(self):
+        self.seen = []
+    def wait(self, *, handle_dependency=True):
+        self.seen.append(handle_dependency)
+handles = [Handle(), Handle()]
+MultipleAllGatherHandles(handles).wait(handle_dependency=False)
+out["handles"] = [h.seen for h in handles] + [partitioned_param_data_shape]
 print("OUT " + json.dumps(out))
 """
 
@@ -655,6 +670,8 @@ def test_monitors_op_builders_and_expert_rank_layout():
     assert out["ops"] == [True, False, True, True]
     assert out["ranks"][0] == [[[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]]]
     assert out["ranks"][1] == [[[0, 2], [4, 6], [1, 3], [5, 7]], [[0, 4], [2, 6], [1, 5], [3, 7]]]
+    assert out["no_model"] == [["InitializeArgumentError", False], ["InitializeArgumentError", True]]
+    assert out["handles"] == [[False], [False], [0]]
 
 
 def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:

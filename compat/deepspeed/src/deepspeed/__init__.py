@@ -77,6 +77,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     parallelism) is refused: microspeed has no sequence parallelism.
     """
     _standin.check_not_mixed(_HERE)
+    if model is None:
+        hint = (" The first positional argument is args: pass the model as initialize(model=...)."
+                if _is_module(args) else "")
+        raise InitializeArgumentError(f"deepspeed.initialize(model=None): a torch.nn.Module is required.{hint}")
     if mesh_param is not None:
         raise ConfigError(f"initialize(mesh_param={mesh_param!r}): microspeed has no sequence-parallel device mesh; "
                           "leave mesh_param=None (data, pipeline and expert parallelism come from the config)")
@@ -88,6 +92,16 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                                   training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                                   dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                                   config_params=config_params)
+
+
+class InitializeArgumentError(ConfigError, AssertionError):
+    """A required argument of :func:`initialize` is missing (an AssertionError as well, as DeepSpeed asserts it)."""
+
+
+def _is_module(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
 
 
 def _parse_version(version_str: str) -> tuple[int, int, int]:

@@ -15,6 +15,9 @@ import torch
 
 from microspeed.accelerator import get_accelerator  # noqa: F401 - clients reach it through this module
 
+partitioned_param_data_shape = [0]
+"""The shape a released ZeRO-3 parameter shows (``p.data`` is an empty placeholder; ``p.ds_shape`` is its real one)."""
+
 _orig_torch_arange = torch.arange
 _orig_torch_eye = torch.eye
 _orig_torch_randn = torch.randn
@@ -33,6 +36,18 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
         return tensor
 
     return wrapped_fn
+
+
+class MultipleAllGatherHandles:
+    """Several pending gathers waited for as one: :meth:`wait` waits on each in turn."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        """Wait on every handle, passing ``handle_dependency`` on by keyword."""
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
 
 
 def __getattr__(name: str) -> Any:
