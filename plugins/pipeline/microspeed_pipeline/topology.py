@@ -162,6 +162,15 @@ class ParallelGrid:
         slices = [topology.filter_match(data=d) if "data" in topology.axes else list(range(world))
                   for d in range(self.data_parallel_size)]
         self._make_group("slice", slices)
+        # DeepSpeed's PipelineParallelGrid attributes: flags and the ranks of this rank's groups
+        self.is_first_stage: bool = self.stage_id == 0
+        self.is_last_stage: bool = self.stage_id == self.pipe_parallel_size - 1
+        self.pp_group: list[int] = list(self.group_ranks.get("pipe", [self.global_rank]))
+        self.dp_group: list[int] = list(self.group_ranks.get("data", [self.global_rank]))
+
+    def _is_grid_valid(self) -> bool:
+        """Whether the topology's ranks are the world's (DeepSpeed's check; the constructor already enforces it)."""
+        return self._topo.world_size() == (dist.get_world_size() if dist.is_initialized() else 1)
 
     def _make_axis_group(self, axis: str) -> None:
         lists = self._topo.get_axis_comm_lists(axis) or [[r] for r in range(self.world_size)]
@@ -186,14 +195,6 @@ class ParallelGrid:
     def get_data_parallel_id(self) -> int:
         """This rank's data-parallel coordinate."""
         return self.data_parallel_id
-
-    def is_first_stage(self) -> bool:
-        """Whether this rank runs the first pipeline stage."""
-        return self.stage_id == 0
-
-    def is_last_stage(self) -> bool:
-        """Whether this rank runs the last pipeline stage."""
-        return self.stage_id == self.pipe_parallel_size - 1
 
     def stage_to_global(self, stage_id: int, **kwargs: int) -> int:
         """The global rank of ``stage_id`` with this rank's other coordinates (overridable by ``kwargs``)."""

@@ -496,8 +496,11 @@ def _check_grid(grid: ParallelGrid, topo: ProcessTopology) -> None:
     assert grid.get_pipeline_model_parallel_world_size() == grid.get_pipe_parallel_world_size()
     stages = max(topo.get_dim("pipe"), 1)
     assert grid.get_stage_id() == expected_rank["pipe"] and grid.get_data_parallel_id() == expected_rank["data"]
-    assert grid.is_first_stage() == (expected_rank["pipe"] == 0), where
-    assert grid.is_last_stage() == (expected_rank["pipe"] == stages - 1), where
+    assert grid.is_first_stage == (expected_rank["pipe"] == 0), where  # attributes, as DeepSpeed's
+    assert grid.is_last_stage == (expected_rank["pipe"] == stages - 1), where
+    assert grid._is_grid_valid()
+    assert grid.dp_group == grid.group_ranks["data"] and grid.pp_group == grid.group_ranks["pipe"]
+    assert rank in grid.dp_group and rank in grid.pp_group
     for s in range(stages):
         assert grid.stage_to_global(s) == topo.get_rank(**{**coord._asdict(), "pipe": s}), (where, s)
         if "data" in topo.axes and topo.get_dim("data") > 1:
