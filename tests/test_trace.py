@@ -109,7 +109,8 @@ def test_two_rank_trace_files_hold_hooks_collectives_and_steps(traced_run):
         by_op = {}
         for e in colls:
             by_op.setdefault(e["op"], []).append(e)
-        assert len(by_op["all_gather_object"]) == 1  # the rank agreement at initialize()
+        # initialize(): the rank agreement, then one after each of its 5 phases (an error on one rank reaches all)
+        assert len(by_op["all_gather_object"]) == 6
         n_params = len(list(_model().parameters()))
         assert [e["bytes"] for e in by_op["broadcast"]] == [p.numel() * 4 for p in _model().parameters()]
         assert len(by_op["broadcast"]) == n_params
@@ -192,7 +193,8 @@ def test_comms_logger_counts_bytes_and_bandwidth(traced_run):
     param_bytes = [p.numel() * 4 for p in _model().parameters()]  # 768, 128, 128, 4
     for r in results:
         raw = r["raw"]
-        assert set(raw) == {"broadcast", "all_reduce"}  # initial weights, then the gradient buckets
+        # initial weights, the gradient buckets, and initialize()'s agreement after each phase
+        assert set(raw) == {"broadcast", "all_reduce", "all_gather_object"}
         assert {size: e[0] for size, e in raw["broadcast"].items()} == {768: 1, 128: 2, 4: 1}
         assert {size: e[0] for size, e in raw["all_reduce"].items()} == {b: STEPS for b in r["bucket_bytes"]}
         assert sum(size * e[0] for size, e in raw["broadcast"].items()) == sum(param_bytes)
@@ -201,8 +203,8 @@ def test_comms_logger_counts_bytes_and_bandwidth(traced_run):
                 assert len(lats) == len(algbws) == len(busbws) == count and all(t > 0 for t in lats)
                 for lat, alg, bus in zip(lats, algbws, busbws, strict=True):
                     assert (alg, bus) == pytest.approx(comm.calc_bw_log(op, size, lat, 2))
-                    # 2 ranks: all-reduce bus bandwidth is half its algbw (2S/t vs S/t); broadcast: equal
-                    assert bus == pytest.approx(alg / 2 if op == "all_reduce" else alg)
+                    # 2 ranks: all-reduce and all-gather bus bandwidth is half the algbw; broadcast: equal
+                    assert bus == pytest.approx(alg / 2 if op in ("all_reduce", "all_gather_object") else alg)
         # the comms logger and the trace saw the same all-reduces
         traced = [e for e in _events(directory, r["rank"], "collective") if e["op"] == "all_reduce"]
         logged = sorted(size for size, e in raw["all_reduce"].items() for _ in range(e[0]))
