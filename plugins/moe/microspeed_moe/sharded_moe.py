@@ -81,6 +81,34 @@ def _gate_output(routing: Routing, num_experts: int, sparse_routes: bool = False
     return routing.l_aux, combine_weights, dispatch_mask, routing.exp_counts
 
 
+def _route_slots(indices: torch.Tensor, locations: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """DeepSpeed's helper for the sparse routes: ``[k, T]`` flat slots ``expert * capacity + location`` in an
+    ``[E * C]`` buffer; a dropped route (index ``-1``) gets the extra slot ``E * C``."""
+    flat = indices.long() * capacity + locations.long()
+    return flat.masked_fill(indices < 0, num_experts * capacity)
+
+
+def _sparse_encode(reshaped_input: torch.Tensor, slots: torch.Tensor, num_experts: int,
+                   capacity: int) -> torch.Tensor:
+    """DeepSpeed's helper: the ``[E, C, M]`` expert buffer holding each routed token of ``[T, M]`` at its slot
+    (empty slots are zero; dropped routes go nowhere)."""
+    num_tokens, d_model = reshaped_input.shape
+    buffer = reshaped_input.new_zeros(num_experts * capacity + 1, d_model)
+    token = torch.arange(num_tokens, device=slots.device).expand_as(slots).reshape(-1)
+    buffer.index_copy_(0, slots.reshape(-1), reshaped_input.index_select(0, token))
+    return buffer[:-1].view(num_experts, capacity, d_model)
+
+
+def _sparse_decode(expert_output: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor,
+                   num_tokens: int) -> torch.Tensor:
+    """DeepSpeed's helper: each token's ``sum_j gates[j, t] * expert_output[slots[j, t]]`` (fp32 sums, cast back
+    to the output's dtype); ``expert_output`` is the flat ``[E * C, M]`` buffer."""
+    d_model = expert_output.shape[-1]
+    padded = torch.cat([expert_output.float(), expert_output.new_zeros(1, d_model, dtype=torch.float32)])
+    routed = padded.index_select(0, slots.reshape(-1)).view(slots.shape[0], num_tokens, d_model)
+    return (routed * gates.float().unsqueeze(-1)).sum(0).to(expert_output.dtype)
+
+
 def _no_tutel(use_tutel: bool) -> None:
     if use_tutel:
         raise ValueError("use_tutel=True: Tutel is not used by microspeed (its routing is built in, with the same "

@@ -139,3 +139,24 @@ def test_moe_with_ep_size_2_without_a_process_group_refuses_at_first_forward(mon
     monkeypatch.setenv("WORLD_SIZE", "3")  # the launcher's world cannot hold ep_size 2: refused at once
     with pytest.raises(ValueError, match="world size 3 must be a multiple of ep_size"):
         MoE(8, torch.nn.Linear(8, 8), num_experts=4, ep_size=2)
+
+
+def test_sparse_encode_decode_helpers_equal_the_dense_einsums():
+    """DeepSpeed's private helpers its tests import: the sparse routes reproduce the dense dispatch and combine."""
+    from microspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+
+    for k in (1, 2, 3):
+        torch.manual_seed(k)
+        logits, hidden = torch.randn(16, 4), torch.randn(16, 8)
+        gate = {1: lambda lg=logits, **kw: top1gating(lg, 1.0, 0, use_rts=False, **kw),
+                2: lambda lg=logits, **kw: top2gating(lg, 1.0, 0, top2_2nd_expert_sampling=False, **kw),
+                3: lambda lg=logits, **kw: topkgating(lg, 3, 1.0, 0, **kw)}[k]
+        _, combine, dispatch, _ = gate()
+        _, cap, experts, indices, locations, gates, _ = gate(sparse_routes=True)
+        slots = _route_slots(indices, locations, experts, cap)
+        assert (slots == experts * cap).any() or bool((indices >= 0).all())  # dropped routes: the scratch slot
+        encoded = _sparse_encode(hidden, slots, experts, cap)
+        torch.testing.assert_close(encoded, torch.einsum("sec,sm->ecm", dispatch.float(), hidden))
+        out = torch.randn_like(encoded)
+        torch.testing.assert_close(_sparse_decode(out.view(experts * cap, 8), slots, gates, 16),
+                                   torch.einsum("sec,ecm->sm", combine, out))
