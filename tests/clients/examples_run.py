@@ -14,20 +14,24 @@ given arguments. Before it runs, this harness:
   the same way: ``datasets.load_dataset`` yields a few seeded synthetic text lines and
   ``transformers.AutoTokenizer.from_pretrained`` a character-level tokenizer with RoBERTa's special-token ids (no
   download); and supplies minimal working versions of the small utilities it imports and this environment lacks
-  (``fire.Fire`` parsing ``--name value``, ``loguru.logger``, ``pytz.timezone``, ``sh.git`` answering "not a git
-  repository" exactly as the script expects outside a checkout);
+  (``fire.Fire`` parsing ``--name value``, ``loguru.logger``, ``pytz.timezone`` — a zone whose clock reads the
+  launch time, so the ranks name the same experiment directory (the script names it per rank from the wall clock,
+  to the second) — and ``sh.git`` answering "not a git repository" as the script expects outside a checkout);
 * seeds torch (``torch.manual_seed(0)``) the same on every rank (``cifar10_deepspeed.py`` never seeds);
 * makes ``torch.cuda.set_device`` a no-op when CUDA is absent (``pipeline_parallelism/train.py`` calls it
   unconditionally; the only non-data adaptation, needed on any CPU machine, real DeepSpeed included);
 * records, without changing them, the values ``torch.nn.CrossEntropyLoss`` returns on this rank (the scripts
-  print only every N steps), and writes them with which ``deepspeed`` was imported to ``<json-out>.rank<R>``.
+  print only every N steps), with the sum of each call's targets (which batch it was) and a hash of torch's RNG
+  state at the call (where the random stream stood, for dropout and noisy gating), and writes them with which
+  ``deepspeed`` was imported to ``<json-out>.rank<R>``.
 """
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import types
@@ -86,26 +90,27 @@ def run_case(case: dict, impl: str, workdir) -> dict:
     """Launch one case on 2 ranks; returns ``{"rank0": {...}, "rank1": {...}}`` (``rank<R>_resume`` too for a case
     with ``resume_args``), or ``{"refused": <error lines>}`` when the run exits with an error."""
     workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / ("ex_" + case["script"].replace("/", "_"))
     args = list(case["args"])
     if case.get("config"):
         cfg = workdir / "ds_config.json"
         cfg.write_text(json.dumps(case["config"]))
         args += ["--deepspeed_config", str(cfg)]
+    env = None
     if case["script"] == BERT:
         args += ["--checkpoint_dir", str(workdir / "bert_exp")]
-    c.torchrun(Path(__file__), [str(out), case["script"], *args], impl, timeout=400, cwd=workdir)
+        # train_bert_ds.py names its experiment directory on each rank from the wall clock, to the second; ranks
+        # that straddle a second would write to two directories. Its clock (pytz, see _install_bert_shims) reads
+        # the launch time instead, the same on every rank.
+        env = {"EXAMPLES_LAUNCH_TIME": datetime.datetime.now().replace(microsecond=0).isoformat()}
+    c.torchrun(Path(__file__), [str(out), case["script"], *args], impl, timeout=400, cwd=workdir, env=env)
     result = {f"rank{r}": json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)}
     if "resume_args" in case:
         (exp_dir,) = [p.parent for p in (workdir / "bert_exp").glob("*/hparams.json")]
-        # train_bert_ds.py names its experiment directory on each rank from the wall clock, to the second; ranks
-        # that straddle a second write to two directories (a bug of the script on any machine). Merge them as a
-        # shared directory would have been, so the resume reads every rank's files.
-        for other in (workdir / "bert_exp").iterdir():
-            if other != exp_dir:
-                shutil.copytree(other, exp_dir, dirs_exist_ok=True)
         args = [*case["resume_args"], "--load_checkpoint_dir", str(exp_dir)]
-        c.torchrun(Path(__file__), [str(out) + "_resume", case["script"], *args], impl, timeout=400, cwd=workdir)
+        c.torchrun(Path(__file__), [str(out) + "_resume", case["script"], *args], impl, timeout=400, cwd=workdir,
+                   env=env)
         result |= {f"rank{r}_resume": json.loads(Path(f"{out}_resume.rank{r}").read_text()) for r in (0, 1)}
     return result
 
@@ -296,7 +301,22 @@ def _install_bert_shims() -> None:
     mods["fire"].Fire = _fire
     mods["loguru"].logger = logging.getLogger("train_bert_ds")
     logging.basicConfig(level=logging.INFO)
-    mods["pytz"].timezone = lambda name: datetime.UTC
+    class _LaunchClock(datetime.tzinfo):
+        """A zone whose ``datetime.now(zone)`` reads the launch time (``EXAMPLES_LAUNCH_TIME``), on every rank."""
+
+        def utcoffset(self, dt):
+            return datetime.timedelta(0)
+
+        def dst(self, dt):
+            return None
+
+        def tzname(self, dt):
+            return "launch"
+
+        def fromutc(self, dt):
+            return datetime.datetime.fromisoformat(os.environ["EXAMPLES_LAUNCH_TIME"]).replace(tzinfo=self)
+
+    mods["pytz"].timezone = lambda name: _LaunchClock()
     mods["sh"].git = _Git()
     mods["sh"].ErrorReturnCode_128, mods["sh"].ErrorReturnCode_129 = err128, err129
     for m in mods.values():
@@ -316,12 +336,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         torch.cuda.set_device = lambda *a, **k: None
     losses: list[float] = []
+    targets: list[int] = []
+    rng: list[str] = []
     orig = torch.nn.CrossEntropyLoss.forward
 
     def recording_forward(self, input, target):
         loss = orig(self, input, target)
         if torch.is_grad_enabled():
             losses.append(float(loss.detach().float()))
+            targets.append(int(target.sum()))  # which batch it was (data order)
+            rng.append(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()[:12])  # RNG stream position
         return loss
 
     torch.nn.CrossEntropyLoss.forward = recording_forward
@@ -332,7 +356,8 @@ def main() -> None:
     import deepspeed
 
     rank = int(os.environ.get("RANK", "0"))
-    Path(f"{out}.rank{rank}").write_text(json.dumps({"loss": losses, "deepspeed": deepspeed.__file__,
+    Path(f"{out}.rank{rank}").write_text(json.dumps({"loss": losses, "targets": targets, "rng_state": rng,
+                                                     "deepspeed": deepspeed.__file__,
                                                      "deepspeed_version": deepspeed.__version__}))
 
 

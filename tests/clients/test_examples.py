@@ -18,7 +18,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
                                  reason=f"no DeepSpeedExamples snapshot at {c.EXAMPLES_GIT} (fetch it to run these)")]
 
 #: cases known to fail today, with the gap they hit (see /work/notes/client_gaps.md); strict: a fix shows up.
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS: dict[str, str] = {
+    "pipeline_alexnet": "G2: the pipeline engine's training_data loader shuffles (core/builtin/dataloader.py "
+                        "MicroBatchLoader); DeepSpeed's PipelineEngine._build_data_iter uses shuffle=False",
+    "cifar_moe_ep2": "G3: starting a training_data epoch draws nothing from torch's global RNG (MicroBatchLoader has "
+                     "its own generator); DeepSpeed's DataLoader draws one int64, so RSample/RTS gating noise shifts",
+}
 
 
 def _cases():
