@@ -674,6 +674,40 @@ def test_monitors_op_builders_and_expert_rank_layout():
     assert out["handles"] == [[False], [False], [0]]
 
 
+UNFUSED = """
+import json, torch
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+torch.manual_seed(0)
+w = torch.randn(4, 3)
+low = torch.nn.Parameter(w.to(torch.bfloat16))
+opt = FP16_UnfusedOptimizer(torch.optim.SGD([low], lr=0.5), static_loss_scale=8.0,
+                            low_precision_dtype=torch.bfloat16)
+x = torch.randn(2, 4)
+loss = (x.to(torch.bfloat16) @ low).float().pow(2).sum()
+opt.backward(loss)
+grad_low = low.grad.float() / 8.0
+master_before = w.to(torch.bfloat16).float()
+overflowed = opt.step()
+want = (master_before - 0.5 * grad_low).to(torch.bfloat16)
+out = {"static": [overflowed, torch.equal(low.detach(), want), low.grad is None,
+                  opt.loss_scale_config.dynamic_loss_scale, opt.loss_scale_config.cur_scale]}
+half = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+dyn = FP16_UnfusedOptimizer(torch.optim.SGD([half], lr=0.1), dynamic_loss_scale=True,
+                            dynamic_loss_args={"init_scale": 1024.0, "delayed_shift": 1})
+half.grad = torch.tensor([1.0, float("inf"), 0.0], dtype=torch.float16)
+out["overflow"] = [dyn.step(), dyn.cur_scale, half.detach().tolist(), half.grad is None]
+print("OUT " + json.dumps(out))
+"""
+
+
+def test_fp16_unfused_optimizer_steps_fp32_masters_and_skips_overflow():
+    proc = _run(UNFUSED)
+    assert proc.returncode == 0, proc.stderr
+    out = _line(proc.stdout, "OUT")
+    assert out["static"] == [False, True, True, False, 8.0]
+    assert out["overflow"] == [True, 512.0, [1.0, 1.0, 1.0], True]
+
+
 def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(5, 3, generator=g, dtype=dtype)),
