@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from microspeed import comm
 from microspeed.errors import ConfigError
+from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id
 
 _local = threading.local()
 """Per thread: ``active`` (open ``Init`` blocks), ``depth`` (module constructors running),
@@ -102,6 +103,8 @@ def partition_param(p: torch.nn.Parameter, group: Any, shard_device: Any = None,
         p._zero_init_shard = shard
         p._zero_init_group = group
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        assign_ds_id(p)
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 _FILE_COUNTER = itertools.count()
@@ -148,6 +151,7 @@ def materialize(params: Iterable[torch.nn.Parameter], group: Any = None) -> None
             p.data = full[:p.ds_numel].view(p.ds_shape).to(device=p.device, dtype=p.dtype, copy=True)
             del p._zero_init_shard, p._zero_init_group
             _remove_file(p)
+            p.ds_status = ZeroParamStatus.AVAILABLE
 
 
 def _is_init_partitioned(p: Any) -> bool:
@@ -446,6 +450,7 @@ def GatheredParameters(params: Any, modifier_rank: int | None = None, fwd_module
             else:  # keep the partition as it was
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p._zero_init_shard, p._zero_init_group = shard, group
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
         if modified:
             with torch.no_grad():
                 for p in engine_params:

@@ -18,6 +18,7 @@ forward gathers (and prefetches) it with that module.
 
 from __future__ import annotations
 
+import itertools
 from enum import Enum
 from typing import Any
 
@@ -39,6 +40,15 @@ class ZeroParamStatus(Enum):
     """Partitioned: ``p.data`` is an empty placeholder; ``p.ds_shape`` is the real shape."""
     INFLIGHT = 3
     """Being gathered (a prefetch is under way)."""
+
+
+_IDS = itertools.count()
+
+
+def assign_ds_id(p: Any) -> None:
+    """Give ``p`` a process-unique ``ds_id`` (DeepSpeed numbers partitioned parameters) unless it has one."""
+    if getattr(p, "ds_id", None) is None:
+        p.ds_id = next(_IDS)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

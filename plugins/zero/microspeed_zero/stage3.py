@@ -44,7 +44,7 @@ import torch.distributed as dist
 from microspeed import comm
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
-from microspeed_zero.leaf import ZeroParamStatus, external_parameters, is_leaf
+from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf
 from microspeed_zero.partition import Segment
 
 RELEASED, INFLIGHT, AVAILABLE = 0, 1, 2
@@ -61,7 +61,6 @@ _NO_GATHER = frozenset({
     "_post_accumulate_grad_hooks", "__dict__",
 })
 """Uses of a released parameter that read only what its placeholder also answers: no gather."""
-_NEXT_ID = [0]
 
 
 class _Frame:
@@ -155,7 +154,7 @@ class ParameterPartitioner:
                 for p in params:
                     assigned[id(p)] = seg.index
                     p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
-                    p.ds_id, _NEXT_ID[0] = _NEXT_ID[0], _NEXT_ID[0] + 1
+                    assign_ds_id(p)
                 if persistent:
                     self.shards[seg.index] = flat[start:end]
                     self.flats[seg.index] = flat
@@ -209,13 +208,13 @@ class ParameterPartitioner:
 
     def _point(self, seg: Segment, flat: torch.Tensor) -> None:
         for p, view in zip(seg.params, seg.views(flat), strict=True):
+            unwatch(p)  # first: setting .data on a watched parameter would go through its __torch_function__
             p.data = view
-            unwatch(p)
 
     def _drop(self, seg: Segment) -> None:
         for p in seg.params:
             p.data = self._placeholder(p)
-            watch(p)
+            watch(p)  # last, for the same reason
         self.flats[seg.index].untyped_storage().resize_(0)
         self._set_status(seg, RELEASED)
 
