@@ -19,7 +19,7 @@ import os
 import torch
 
 
-def ds_config(stage: int, client_optimizer: bool) -> dict:
+def ds_config(stage: int, client_optimizer: bool, offload: bool = False) -> dict:
     """A DeepSpeed config as HF users write it ("auto" values filled in by the Trainer)."""
     cfg: dict = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -34,10 +34,13 @@ def ds_config(stage: int, client_optimizer: bool) -> dict:
         cfg["zero_optimization"].update(
             {"stage3_gather_16bit_weights_on_model_save": True, "stage3_param_persistence_threshold": 0}
         )
+    if offload:  # optimizer states and step on the CPU: DeepSpeedCPUAdam (torch_adam off)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if not client_optimizer:
         cfg["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True},
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
+                       "torch_adam": not offload},
         }
         cfg["scheduler"] = {
             "type": "WarmupDecayLR",
@@ -76,6 +79,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--save-steps", type=int, default=3)
     p.add_argument("--client-optimizer", action="store_true", help="let the Trainer build the optimizer")
+    p.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU (DeepSpeedCPUAdam)")
     a = p.parse_args()
 
     set_seed(0)
@@ -85,7 +89,7 @@ def main() -> None:
         output_dir=a.out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2,
         learning_rate=1e-2, warmup_steps=2, max_steps=a.max_steps, max_grad_norm=1.0, weight_decay=0.01,
         logging_steps=1, save_steps=a.save_steps, save_strategy="steps", seed=0, data_seed=0,
-        use_cpu=True, ddp_backend="gloo", report_to=[], deepspeed=ds_config(a.stage, a.client_optimizer),
+        use_cpu=True, ddp_backend="gloo", report_to=[], deepspeed=ds_config(a.stage, a.client_optimizer, a.offload),
         dataloader_num_workers=0, disable_tqdm=True, save_only_model=False,
     )
     trainer = Trainer(model=model, args=args, train_dataset=TokenData())

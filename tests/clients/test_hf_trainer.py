@@ -2,7 +2,8 @@
 
 Tiny GPT-2 built from a config (no download), synthetic tokens, 2 ranks (gloo, CPU): loss and grad norm at
 every one of 6 optimizer steps (gradient accumulation 2, clipping 1.0, DeepSpeed's AdamW + WarmupDecayLR from the
-config, "auto" values filled by the Trainer), then a resume from the step-3 checkpoint to step 6 — all equal to
+config, "auto" values filled by the Trainer; one case with ``offload_optimizer`` to the CPU, i.e.
+DeepSpeedCPUAdam), then a resume from the step-3 checkpoint to step 6 — all equal to
 real DeepSpeed 0.19.8's recorded run (``fixtures/hf_trainer_zero*.json``, ``record.py hf``) within
 ``clientrun.RTOL``.
 """
@@ -15,10 +16,11 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_hf_trainer_matches_deepspeed(stage, tmp_path, standin):
-    ref = c.load_fixture(f"hf_trainer_zero{stage}")
-    got = c.run_hf_trainer(stage, "microspeed", tmp_path)
+@pytest.mark.parametrize(("stage", "offload"), [(2, False), (3, False), (2, True)],
+                         ids=["zero2", "zero3", "zero2_offload"])
+def test_hf_trainer_matches_deepspeed(stage, offload, tmp_path, standin):
+    ref = c.load_fixture(f"hf_trainer_zero{stage}{'_offload' if offload else ''}")
+    got = c.run_hf_trainer(stage, "microspeed", tmp_path, offload=offload)
     for phase in ("full", "resume"):
         c.assert_microspeed_imported(got[phase])
         c.close(got[phase]["loss"], ref[phase]["loss"], f"ZeRO-{stage} {phase} loss")
