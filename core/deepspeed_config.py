@@ -51,7 +51,18 @@ def section_schema(name: str) -> Field | Section:
 
 
 def default_of(dotted: str) -> Any:
-    """The default microspeed gives the key at ``dotted`` (``"zero_optimization.stage"``)."""
+    """The default microspeed gives the key at ``dotted`` (``"zero_optimization.stage"``).
+
+    :class:`~microspeed.MissingPluginError` (naming the distribution) when the plugin that owns the section is
+    not installed; ``KeyError`` for a key no schema has.
+    """
+    from microspeed.config import PLUGIN_SECTIONS
+    from microspeed.errors import MissingPluginError
+
+    top = dotted.split(".")[0]
+    if top not in schema().fields and top in PLUGIN_SECTIONS:
+        raise MissingPluginError(f"{top}: read by the plugin distribution {PLUGIN_SECTIONS[top]!r}, which is not "
+                                 f"installed (pip install {PLUGIN_SECTIONS[top]})")
     node: Field | Section = schema()
     for part in dotted.split("."):
         if not isinstance(node, Section) or part not in node.fields:

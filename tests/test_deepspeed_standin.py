@@ -708,6 +708,23 @@ def test_fp16_unfused_optimizer_steps_fp32_masters_and_skips_overflow():
     assert out["overflow"] == [True, 512.0, [1.0, 1.0, 1.0], True]
 
 
+def test_deepspeed_config_helper_uses_the_plugins_schema():
+    import base64
+
+    from microspeed import deepspeed_config
+
+    assert deepspeed_config.default_of("zero_optimization.stage") == 0
+    assert deepspeed_config.default_of("fp16.loss_scale_window") == 1000
+    with pytest.raises(KeyError, match="zero_optimization.nope"):
+        deepspeed_config.default_of("zero_optimization.nope")
+    cfg = deepspeed_config.parse_config({"train_batch_size": 4, "zero_optimization": {"stage": 2}})
+    assert cfg.get("zero_optimization.stage") == 2 and cfg.get("zero_optimization.reduce_bucket_size") == 500_000_000
+    with pytest.raises(microspeed.ConfigError, match="zero_optimization.stag: unknown key"):
+        deepspeed_config.parse_config({"zero_optimization": {"stag": 2}})
+    encoded = base64.urlsafe_b64encode(b'{"train_batch_size": 8}').decode()
+    assert deepspeed_config.read_config(encoded) == {"train_batch_size": 8}
+
+
 def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(5, 3, generator=g, dtype=dtype)),
