@@ -35,6 +35,15 @@ class ClientRunError(AssertionError):
     """A launched client run exited non-zero; carries the tail of its output."""
 
 
+def needs(module: str):
+    """A skip mark for when ``module`` (a client library, from the test extras) is not installed."""
+    import importlib.util
+
+    import pytest
+
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} is not installed")
+
+
 def free_port() -> int:
     """A TCP port free on localhost right now."""
     with socket.socket() as s:

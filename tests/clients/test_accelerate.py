@@ -11,7 +11,7 @@ from __future__ import annotations
 import clientrun as c
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.slow, c.needs("accelerate"), pytest.mark.timeout(400)]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

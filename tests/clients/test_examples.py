@@ -13,7 +13,7 @@ import clientrun as c
 import examples_run as ex
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), c.needs("transformers"),
               pytest.mark.skipif(not ex.snapshot_available(),
                                  reason=f"no DeepSpeedExamples snapshot at {c.EXAMPLES_GIT} (fetch it to run these)")]
 

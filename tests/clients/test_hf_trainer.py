@@ -13,7 +13,7 @@ from __future__ import annotations
 import clientrun as c
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, c.needs("transformers"), pytest.mark.timeout(600)]
 
 
 @pytest.mark.parametrize(("stage", "offload"), [(2, False), (3, False), (2, True)],

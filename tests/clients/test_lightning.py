@@ -12,7 +12,7 @@ from __future__ import annotations
 import clientrun as c
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, c.needs("lightning"), pytest.mark.timeout(600)]
 
 
 @pytest.mark.xfail(strict=True, reason="G1: Engine.save_checkpoint() takes no exclude_frozen_parameters (Lightning "
