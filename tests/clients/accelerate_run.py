@@ -3,7 +3,9 @@
 Run as ``accelerate launch --num_processes 2 --use_deepspeed accelerate_run.py --stage N --json OUT``.
 The training loop is the one Accelerate's docs show: ``accelerator.prepare`` then ``accelerator.accumulate``
 with gradient accumulation 2, ``accelerator.backward``, ``clip_grad_norm_``, ``optimizer.step``,
-``scheduler.step``, ``zero_grad``. Rank 0 writes the per-micro-step losses (averaged over ranks), the
+``scheduler.step``, ``zero_grad``. With ``--state-dir`` the run calls ``accelerator.save_state`` after
+``--save-at`` micro-steps; ``--resume`` starts from there instead (``load_state``, ``skip_first_batches``) and
+records the remaining micro-steps only. Rank 0 writes the per-micro-step losses (averaged over ranks), the
 learning rates and the final weights' norm (from ``accelerator.get_state_dict``) as JSON to ``--json``.
 """
 
@@ -37,6 +39,9 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=2)
     p.add_argument("--json", required=True)
     p.add_argument("--steps", type=int, default=6, help="optimizer steps")
+    p.add_argument("--state-dir", default=None, help="save_state here after --save-at micro-steps")
+    p.add_argument("--save-at", type=int, default=6, help="micro-steps before save_state / after load_state")
+    p.add_argument("--resume", action="store_true", help="load_state(--state-dir), skip --save-at micro-batches")
     a = p.parse_args()
 
     plugin = DeepSpeedPlugin(zero_stage=a.stage, gradient_accumulation_steps=2, gradient_clipping=1.0,
@@ -54,7 +59,12 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     losses, lrs = [], []
-    for i, (xb, yb) in enumerate(loader):
+    start = 0
+    if a.resume:
+        accelerator.load_state(a.state_dir)
+        loader = accelerator.skip_first_batches(loader, a.save_at)
+        start = a.save_at
+    for i, (xb, yb) in enumerate(loader, start=start):
         if i >= 2 * a.steps:
             break
         with accelerator.accumulate(model):
@@ -67,6 +77,8 @@ def main() -> None:
             opt.zero_grad()
         losses.append(accelerator.gather(loss.detach().reshape(1)).mean().item())
         lrs.append(sched.get_last_lr()[0])
+        if a.state_dir and not a.resume and i + 1 == a.save_at:
+            accelerator.save_state(a.state_dir)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         import deepspeed

@@ -191,6 +191,17 @@ def run_accelerate(stage: int, impl: str, workdir: Path) -> dict:
     return _read(js)
 
 
+def run_accelerate_resume(stage: int, impl: str, workdir: Path) -> dict:
+    """As :func:`run_accelerate` with ``save_state`` after 6 micro-steps, then a second launch that
+    ``load_state``s there and runs micro-steps 7-12: ``{"full": ..., "resume": ...}``."""
+    state = Path(workdir) / f"acc{stage}_state"
+    common = ["--stage", str(stage), "--state-dir", str(state), "--save-at", "6"]
+    full, res = Path(workdir) / f"acc{stage}_full.json", Path(workdir) / f"acc{stage}_resume.json"
+    accelerate_launch(HERE / "accelerate_run.py", [*common, "--json", str(full)], impl)
+    accelerate_launch(HERE / "accelerate_run.py", [*common, "--resume", "--json", str(res)], impl)
+    return {"full": _read(full), "resume": _read(res)}
+
+
 def run_lightning(stage: int, impl: str, workdir: Path) -> dict:
     """Lightning DeepSpeedStrategy, ZeRO ``stage``, 2 processes: 2 epochs with a checkpoint, then resumed."""
     out = Path(workdir) / f"pl{stage}"

@@ -24,6 +24,7 @@ def main(which: list[str]) -> None:
         if "accelerate" in which:
             for stage in (2, 3):
                 c.save_fixture(f"accelerate_zero{stage}", c.run_accelerate(stage, "deepspeed", d))
+            c.save_fixture("accelerate_zero2_resume", c.run_accelerate_resume(2, "deepspeed", d))
         if "lightning" in which:
             c.save_fixture("lightning_zero2", c.run_lightning(2, "deepspeed", d))
         if "examples" in which:

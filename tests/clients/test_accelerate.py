@@ -22,3 +22,15 @@ def test_accelerate_matches_deepspeed(stage, tmp_path, standin):
     c.close(got["lr"], ref["lr"], f"ZeRO-{stage} learning rate")
     c.close(got["loss"], ref["loss"], f"ZeRO-{stage} loss")
     c.close(got["weight_norm"], ref["weight_norm"], f"ZeRO-{stage} final weights' norm")
+
+
+def test_accelerate_save_state_resume_matches_deepspeed(tmp_path, standin):
+    """``accelerator.save_state`` after 6 micro-steps (ZeRO-2), then a new launch that ``load_state``s and runs
+    micro-steps 7-12: both runs' figures equal real DeepSpeed's (``fixtures/accelerate_zero2_resume.json``)."""
+    ref = c.load_fixture("accelerate_zero2_resume")
+    got = c.run_accelerate_resume(2, "microspeed", tmp_path)
+    for phase in ("full", "resume"):
+        c.assert_microspeed_imported(got[phase])
+        c.close(got[phase]["lr"], ref[phase]["lr"], f"{phase} learning rate")
+        c.close(got[phase]["loss"], ref[phase]["loss"], f"{phase} loss")
+        c.close(got[phase]["weight_norm"], ref[phase]["weight_norm"], f"{phase} final weights' norm")
