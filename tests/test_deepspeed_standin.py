@@ -598,6 +598,10 @@ try:
     DeepSpeedConfig({"train_batch_size": 4, "fp16": {"enabled": True, "loss_scal": 0}})
 except ValueError as e:
     out["typo"] = "fp16.loss_scal: unknown key" in str(e)
+try:
+    DeepSpeedConfig({"train_batch_size": 4, "gradient_allreduce_op": "max"})
+except ValueError as e:
+    out["op"] = str(e).startswith("Invalid gradient_allreduce_op 'max'")
 out["fp16"] = [get_float16_config({"fp16": {"enabled": True}}).enabled,
                get_float16_config({}).loss_scale_window == default_of("fp16.loss_scale_window"),
                get_bfloat16_config({"bf16": {"enabled": True}}).enabled]
@@ -612,7 +616,7 @@ def test_deepspeed_config_objects_read_with_microspeeds_parser():
     assert out["model"] == [3, ["x"], 4, 5, 0, 0] and out["refused"] == [["a"], ["typo"]] and out["both"]
     assert out["zero"] == [True, "cpu", None, 123, True, True, True]
     assert out["zero_param"] == "DeepSpeedZeroOffloadParamConfig" and out["pipeline"] == [True, False]
-    assert out["zero_typo"] and out["dup"] and out["typo"]
+    assert out["zero_typo"] and out["dup"] and out["typo"] and out["op"]
     assert out["config"] == [8, 8, 1, 1, True, True, False, True, {"lr": 0.1}, True, "j", 8]
     assert out["triads"] == [[32, 8, 2], [32, 8, 2], "BatchSizeError", "BatchSizeError"]
     assert out["fp16"] == [True, True, True]

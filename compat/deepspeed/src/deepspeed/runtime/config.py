@@ -78,6 +78,10 @@ class DeepSpeedConfig:
             self.world_size = int(mpu.get_data_parallel_world_size())
         else:
             self.world_size = comm.get_world_size() if comm.is_initialized() else 1
+        op = self._param_dict.get("gradient_allreduce_op", "mean")
+        if not isinstance(op, str) or op.lower() not in ("mean", "sum"):
+            raise ConfigError(f"Invalid gradient_allreduce_op {op!r}: DeepSpeed accepts 'mean' or 'sum'; microspeed "
+                              "averages gradients ('mean', the default), so remove the key")
         self._config: Config = parse_config(copy.deepcopy(self._param_dict))
         self._initialize_params(self._config)
         self._configure_train_batch_size()
