@@ -602,6 +602,10 @@ try:
     DeepSpeedConfig({"train_batch_size": 4, "gradient_allreduce_op": "max"})
 except ValueError as e:
     out["op"] = str(e).startswith("Invalid gradient_allreduce_op 'max'")
+try:
+    DeepSpeedConfig({"train_batch_size": 4, "gradient_allreduce_op": "sum", "zero_optimization": {"stage": 3}})
+except ValueError as e:
+    out["op"] = out["op"] and "'sum' is not supported with ZeRO stage 3" in str(e)
 out["fp16"] = [get_float16_config({"fp16": {"enabled": True}}).enabled,
                get_float16_config({}).loss_scale_window == default_of("fp16.loss_scale_window"),
                get_bfloat16_config({"bf16": {"enabled": True}}).enabled]

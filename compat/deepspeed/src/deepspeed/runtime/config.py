@@ -82,10 +82,23 @@ class DeepSpeedConfig:
         if not isinstance(op, str) or op.lower() not in ("mean", "sum"):
             raise ConfigError(f"Invalid gradient_allreduce_op {op!r}: DeepSpeed accepts 'mean' or 'sum'; microspeed "
                               "averages gradients ('mean', the default), so remove the key")
+        if op.lower() == "sum":
+            self._refuse_sum_with(self._param_dict)
         self._config: Config = parse_config(copy.deepcopy(self._param_dict))
         self._initialize_params(self._config)
         self._configure_train_batch_size()
         self._do_sanity_check()
+
+    @staticmethod
+    def _refuse_sum_with(raw: dict[str, Any]) -> None:
+        """``gradient_allreduce_op: "sum"`` with a feature DeepSpeed itself refuses it with: that reason first."""
+        zero = raw.get("zero_optimization") if isinstance(raw.get("zero_optimization"), dict) else {}
+        compile_section = raw.get("compile") if isinstance(raw.get("compile"), dict) else {}
+        for clash, name in ((zero.get("stage") == 3, "ZeRO stage 3"), ("zenflow" in zero, "ZenFlow"),
+                            (bool(compile_section.get("deepcompile")), "DeepCompile")):
+            if clash:
+                raise ConfigError(f"gradient_allreduce_op='sum' is not supported with {name} (in DeepSpeed either); "
+                                  "microspeed averages gradients ('mean'), so remove the key")
 
     # ------------------------------------------------------------------ reading
     def _initialize_params(self, cfg: Config) -> None:
