@@ -166,18 +166,20 @@ def hf_resumed_only(full: dict, resumed: dict, save_steps: int) -> dict:
     """
     del full
     return {k: {s: v for s, v in resumed[k].items() if int(s) > save_steps} for k in ("loss", "grad_norm")} | {
-        "deepspeed": resumed["deepspeed"], "deepspeed_version": resumed["deepspeed_version"]}
+        k: resumed[k] for k in ("deepspeed", "deepspeed_version", "bf16_enabled", "param_dtype") if k in resumed}
 
 
 def run_hf_trainer(stage: int, impl: str, workdir: Path, client_optimizer: bool = False,
-                   offload: bool = False) -> dict:
+                   offload: bool = False, bf16: bool = False) -> dict:
     """HF Trainer, ZeRO ``stage``, 2 ranks: 6 steps saving at 3, then resumed from step 3 to 6."""
-    out = Path(workdir) / f"hf{stage}{'_offload' if offload else ''}"
+    out = Path(workdir) / f"hf{stage}{'_offload' if offload else ''}{'_bf16' if bf16 else ''}"
     common = ["--stage", str(stage), "--out-dir", str(out), "--max-steps", "6", "--save-steps", "3"]
     if client_optimizer:
         common.append("--client-optimizer")
     if offload:
         common.append("--offload")
+    if bf16:
+        common.append("--bf16")
     torchrun(HERE / "hf_trainer_run.py", [*common, "--phase", "full", "--json", str(out) + "_full.json"], impl)
     torchrun(HERE / "hf_trainer_run.py", [*common, "--phase", "resume", "--json", str(out) + "_resume.json"], impl)
     full = _read(str(out) + "_full.json")

@@ -29,6 +29,7 @@ def ds_config(stage: int, client_optimizer: bool, offload: bool = False) -> dict
         "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
         "steps_per_print": 1000,
         "wall_clock_breakdown": False,
+        "bf16": {"enabled": "auto"},
     }
     if stage == 3:
         cfg["zero_optimization"].update(
@@ -80,6 +81,7 @@ def main() -> None:
     p.add_argument("--save-steps", type=int, default=3)
     p.add_argument("--client-optimizer", action="store_true", help="let the Trainer build the optimizer")
     p.add_argument("--offload", action="store_true", help="offload_optimizer to the CPU (DeepSpeedCPUAdam)")
+    p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True), config bf16 'auto'")
     a = p.parse_args()
 
     set_seed(0)
@@ -90,7 +92,7 @@ def main() -> None:
         learning_rate=1e-2, warmup_steps=2, max_steps=a.max_steps, max_grad_norm=1.0, weight_decay=0.01,
         logging_steps=1, save_steps=a.save_steps, save_strategy="steps", seed=0, data_seed=0,
         use_cpu=True, ddp_backend="gloo", report_to=[], deepspeed=ds_config(a.stage, a.client_optimizer, a.offload),
-        dataloader_num_workers=0, disable_tqdm=True, save_only_model=False,
+        dataloader_num_workers=0, disable_tqdm=True, save_only_model=False, bf16=a.bf16,
     )
     trainer = Trainer(model=model, args=args, train_dataset=TokenData())
     resume = os.path.join(a.out_dir, f"checkpoint-{a.save_steps}") if a.phase == "resume" else None
@@ -102,8 +104,10 @@ def main() -> None:
                 loss[rec["step"]] = rec["loss"]
                 if rec.get("grad_norm") is not None:
                     gn[rec["step"]] = float(rec["grad_norm"])
+        engine = trainer.model_wrapped
         with open(a.json, "w") as f:
-            json.dump({"loss": loss, "grad_norm": gn, "deepspeed": deepspeed.__file__,
+            json.dump({"loss": loss, "grad_norm": gn, "bf16_enabled": bool(engine.bfloat16_enabled()),
+                       "param_dtype": str(next(engine.module.parameters()).dtype), "deepspeed": deepspeed.__file__,
                        "deepspeed_version": deepspeed.__version__}, f, indent=1)
 
 

@@ -21,6 +21,7 @@ def main(which: list[str]) -> None:
             for stage in (2, 3):
                 c.save_fixture(f"hf_trainer_zero{stage}", c.run_hf_trainer(stage, "deepspeed", d))
             c.save_fixture("hf_trainer_zero2_offload", c.run_hf_trainer(2, "deepspeed", d, offload=True))
+            c.save_fixture("hf_trainer_zero2_bf16", c.run_hf_trainer(2, "deepspeed", d, bf16=True))
         if "accelerate" in which:
             for stage in (2, 3):
                 c.save_fixture(f"accelerate_zero{stage}", c.run_accelerate(stage, "deepspeed", d))
