@@ -9,7 +9,6 @@ Here on one process (world size 1, gloo started by ``Init``).
 from __future__ import annotations
 
 import microspeed_zero as zero
-import pytest
 import torch
 from microspeed_zero import ZeroParamStatus
 
@@ -46,10 +45,8 @@ def test_subclass_params_partitioned_with_values_kept():
         assert torch.equal(model.param.data, torch.full((5,), 2.0))
 
 
-@pytest.mark.xfail(strict=True, reason="parameters partitioned by zero.Init carry ds_shape/ds_numel but no "
-                   "ds_status until an engine adopts them (plugins/zero/microspeed_zero/init.py); DeepSpeed sets "
-                   "ds_status (and ds_id) at partitioning")
 def test_ds_status_follows_gathering():
+    """DeepSpeed sets ds_status (and ds_id) when zero.Init partitions a parameter, before any engine."""
     model = _build()
     params = list(model.parameters())
     assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in params)
