@@ -53,3 +53,11 @@ def test_gradient_allreduce_op_invalid_value_names_key_value_and_choices():
         _init(gradient_allreduce_op="max")
     text = str(info.value)
     assert all(word in text for word in ("gradient_allreduce_op", "max", "mean", "sum"))
+
+
+@pytest.mark.xfail(strict=True, reason="zero_optimization.offload_param below stage 3 is refused (ConfigError); "
+                   "DeepSpeed 0.19.8 initializes (its test_ds_initialize TestNoOptim[0] passes offload_param with "
+                   "stage 0): accept it with a one-line notice that it has no effect below stage 3")
+def test_offload_param_below_stage3_is_not_an_error():
+    engine = _init(zero_optimization={"stage": 0, "offload_param": {"device": "cpu"}})
+    assert engine is not None
