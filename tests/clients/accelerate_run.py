@@ -81,12 +81,11 @@ def main() -> None:
             accelerator.save_state(a.state_dir)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        import deepspeed
+        from clientrun import imported_deepspeed
 
         norm = torch.sqrt(sum((v.float() ** 2).sum() for v in state.values())).item()
         with open(a.json, "w") as f:
-            json.dump({"loss": losses, "lr": lrs, "weight_norm": norm, "deepspeed": deepspeed.__file__,
-                       "deepspeed_version": deepspeed.__version__}, f, indent=1)
+            json.dump({"loss": losses, "lr": lrs, "weight_norm": norm, **imported_deepspeed()}, f, indent=1)
     accelerator.wait_for_everyone()
 
 

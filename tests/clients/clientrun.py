@@ -132,10 +132,26 @@ def save_fixture(name: str, data: dict) -> None:
     (FIXTURES / f"{name}.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
+def imported_deepspeed() -> dict:
+    """Which ``deepspeed`` this process imported, and every loaded module that is real DeepSpeed's own file.
+
+    Called at the end of a client run (it imports ``deepspeed``); a run through the stand-in must show none of
+    real DeepSpeed's modules (a module file under a ``site-packages/deepspeed/`` folder).
+    """
+    import deepspeed
+
+    real = sorted(name for name, mod in list(sys.modules.items())
+                  if "site-packages/deepspeed/" in (getattr(mod, "__file__", None) or "").replace(os.sep, "/"))
+    return {"deepspeed": deepspeed.__file__, "deepspeed_version": deepspeed.__version__, "real_deepspeed_modules": real}
+
+
 def assert_microspeed_imported(result: dict) -> None:
-    """The run's ``deepspeed`` was microspeed's stand-in, not real DeepSpeed."""
+    """The run's ``deepspeed`` was microspeed's stand-in, not real DeepSpeed, and no module of real DeepSpeed
+    was loaded."""
     assert str(STANDIN) in result["deepspeed"], f"the run imported {result['deepspeed']}, not the stand-in"
     assert "microspeed" in result["deepspeed_version"], result["deepspeed_version"]
+    assert result.get("real_deepspeed_modules", None) == [], (
+        f"real DeepSpeed modules loaded: {result.get('real_deepspeed_modules')}")
 
 
 def close(actual, expected, what: str, rtol: float = RTOL, atol: float = ATOL) -> None:
@@ -166,7 +182,8 @@ def hf_resumed_only(full: dict, resumed: dict, save_steps: int) -> dict:
     """
     del full
     return {k: {s: v for s, v in resumed[k].items() if int(s) > save_steps} for k in ("loss", "grad_norm")} | {
-        k: resumed[k] for k in ("deepspeed", "deepspeed_version", "bf16_enabled", "param_dtype") if k in resumed}
+        k: resumed[k] for k in ("deepspeed", "deepspeed_version", "real_deepspeed_modules", "bf16_enabled",
+                                "param_dtype") if k in resumed}
 
 
 def run_hf_trainer(stage: int, impl: str, workdir: Path, client_optimizer: bool = False,

@@ -353,12 +353,9 @@ def main() -> None:
     sys.argv = [script, *args]
     code = compile(src, f"DeepSpeedExamples:{script}", "exec")
     exec(code, {"__name__": "__main__", "__file__": script})  # noqa: S102
-    import deepspeed
-
     rank = int(os.environ.get("RANK", "0"))
     Path(f"{out}.rank{rank}").write_text(json.dumps({"loss": losses, "targets": targets, "rng_state": rng,
-                                                     "deepspeed": deepspeed.__file__,
-                                                     "deepspeed_version": deepspeed.__version__}))
+                                                     **c.imported_deepspeed()}))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ class TokenData(torch.utils.data.Dataset):
 
 def main() -> None:
     """Parse arguments, train, write rank 0's figures."""
-    import deepspeed
+    from clientrun import imported_deepspeed
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
 
     p = argparse.ArgumentParser()
@@ -107,8 +107,7 @@ def main() -> None:
         engine = trainer.model_wrapped
         with open(a.json, "w") as f:
             json.dump({"loss": loss, "grad_norm": gn, "bf16_enabled": bool(engine.bfloat16_enabled()),
-                       "param_dtype": str(next(engine.module.parameters()).dtype), "deepspeed": deepspeed.__file__,
-                       "deepspeed_version": deepspeed.__version__}, f, indent=1)
+                       "param_dtype": str(next(engine.module.parameters()).dtype), **imported_deepspeed()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -99,12 +99,12 @@ def main() -> None:
         ckpt = sorted(glob.glob(os.path.join(ckpt_dir, "epoch=0-*.ckpt")))[0]
     trainer.fit(model, loader, ckpt_path=ckpt)
     if trainer.global_rank == 0:
-        import deepspeed
+        from clientrun import imported_deepspeed
 
         norm = torch.sqrt(sum((q.detach().float() ** 2).sum() for q in model.parameters())).item()
         with open(a.json, "w") as f:
             json.dump({"loss": model.record, "lr": model.lrs, "weight_norm": norm, "global_step": trainer.global_step,
-                       "deepspeed": deepspeed.__file__, "deepspeed_version": deepspeed.__version__}, f, indent=1)
+                       **imported_deepspeed()}, f, indent=1)
 
 
 if __name__ == "__main__":
