@@ -656,14 +656,21 @@ def _restore_rng(saved: list[dict[str, Any]], rank: int) -> None:
 
 
 def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-         save_latest: bool = True) -> bool:
-    """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` (every rank calls this); returns ``True``."""
+         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` (every rank calls this); returns ``True``.
+
+    ``exclude_frozen_parameters`` leaves parameters with ``requires_grad=False`` out of the module's
+    tensors (as DeepSpeed); loading such a checkpoint then needs ``load_module_strict=False``.
+    """
     rank, world = comm.get_rank(), comm.get_world_size()
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
     engine.hook.microspeed_before_checkpoint_save(engine=engine, save_dir=save_dir, tag=tag)
     tensors: dict[str, torch.Tensor] = {}
 
     module_sd = _module_tensors(engine)
+    if exclude_frozen_parameters:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
     aliases = _aliases(module_sd)
     extra = {}
     for k, v in module_sd.items():

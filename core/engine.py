@@ -343,16 +343,18 @@ class Engine(torch.nn.Module):
     # -- checkpoints (the work is in microspeed.checkpoint) ---------------------------------
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Save model, optimizer, scheduler, counters, plugin state and RNG under ``save_dir/tag``.
 
         Every rank calls it. ``tag`` defaults to ``global_step<N>``; ``save_dir/latest`` names the
         tag once every rank has finished (``save_latest``). Tensors are sharded across ranks through
-        ``torch.distributed.checkpoint``; see :mod:`microspeed.checkpoint`.
+        ``torch.distributed.checkpoint``; see :mod:`microspeed.checkpoint`. ``exclude_frozen_parameters``
+        leaves out parameters with ``requires_grad=False`` (Lightning always passes it).
         """
         from microspeed import checkpoint
 
-        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+                               exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -365,3 +365,23 @@ def test_consolidate_cli_get_fp32_state_dict_and_save_16bit_model(tmp_path):
     assert full.keys() == sd.keys() and all(torch.equal(full[k], sd[k]) for k in sd)
     assert checkpoint_cli(["consolidate", str(tmp_path / "nothing"), str(out)]) == 1
     assert checkpoint_cli(["info", str(tmp_path / "ckpt")]) == 0
+
+
+def test_exclude_frozen_parameters_leaves_them_out_and_loads_non_strict(tmp_path, tiny_model):
+    """DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)`` (Lightning always passes the keyword)."""
+    from conftest import TinyNet
+
+    tiny_model.fc1.weight.requires_grad_(False)
+    engine = _engine(TinyNet, 0, model=tiny_model)
+    engine.save_checkpoint(str(tmp_path), tag="t", exclude_frozen_parameters=True)
+    with open(tmp_path / "t" / MANIFEST, "rb") as f:
+        keys = msgpack.unpackb(f.read(), strict_map_key=False)["model"]["keys"]
+    assert "fc1.weight" not in keys and "fc1.bias" in keys
+    other = _engine(TinyNet, 1)
+    frozen_before = other.module.fc1.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="load_module_strict=False"):
+        other.load_checkpoint(str(tmp_path), tag="t")
+    with pytest.warns(CheckpointWarning):
+        other.load_checkpoint(str(tmp_path), tag="t", load_module_strict=False, load_optimizer_states=False)
+    assert torch.equal(other.module.fc1.weight, frozen_before)
+    assert torch.equal(other.module.fc1.bias, engine.module.fc1.bias)

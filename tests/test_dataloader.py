@@ -146,3 +146,23 @@ def test_two_ranks_see_disjoint_shards_covering_the_dataset():
         assert sorted(s0 + s1) == list(range(n))
     assert r0_epochs[0] != r0_epochs[1] and r1_epochs[0] != r1_epochs[1]
     assert r0_again == r0_epochs[0] and r1_again == r1_epochs[0]
+
+
+def test_starting_an_epoch_draws_from_the_global_rng_as_a_torch_dataloader_does():
+    """DeepSpeed's loader is a plain DataLoader: each epoch's iterator draws its base seed from torch's RNG.
+
+    Clients compare the random draws after the first batch (dropout, noisy gates) with DeepSpeed's.
+    """
+    from torch.utils.data import DataLoader
+
+    from microspeed.builtin.dataloader import MicroBatchLoader
+
+    data = [torch.tensor([float(i)]) for i in range(8)]
+    torch.manual_seed(3)
+    next(iter(MicroBatchLoader(data, 2, 1, 0)))
+    ours = torch.rand(4)
+    torch.manual_seed(3)
+    next(iter(DataLoader(data, batch_size=2)))
+    assert torch.equal(ours, torch.rand(4))
+    torch.manual_seed(3)
+    assert not torch.equal(ours, torch.rand(4))  # the draw happened: the check can fail

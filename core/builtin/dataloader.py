@@ -29,10 +29,11 @@ class MicroBatchLoader:
                  shuffle: bool = True) -> None:
         self.sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
-        # Its own generator: starting an epoch must not draw from the global torch RNG, or a run
-        # resumed mid-epoch (which starts its iterator after the RNG was restored) would drift.
+        # No generator of its own: starting an epoch draws one number from the global torch RNG (the
+        # DataLoader's base seed), exactly as DeepSpeed's loader does, so dropout and noisy gates that
+        # draw afterwards see the same stream as under DeepSpeed on the same seed.
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler, collate_fn=collate_fn,
-                                 drop_last=drop_last, generator=torch.Generator())
+                                 drop_last=drop_last)
         self.epoch = 0
         self.consumed = 0
         self._skip = 0
@@ -44,6 +45,9 @@ class MicroBatchLoader:
         self.sampler.set_epoch(self.epoch)
         skip, self._skip = self._skip, 0
         self.consumed = 0
+        # A resumed epoch must not draw again: the run it continues drew this epoch's number before it saved
+        # (with load_rng_state=True the restored stream then continues exactly).
+        self.loader.generator = torch.Generator() if skip else None
         for i, batch in enumerate(self.loader):
             if i < skip:
                 continue

@@ -15,8 +15,6 @@ import pytest
 pytestmark = [pytest.mark.slow, c.needs("lightning"), pytest.mark.timeout(600)]
 
 
-@pytest.mark.xfail(strict=True, reason="G1: Engine.save_checkpoint() takes no exclude_frozen_parameters (Lightning "
-                   "always passes it); core/engine.py")
 def test_lightning_zero2_save_resume_matches_deepspeed(tmp_path, standin):
     ref = c.load_fixture("lightning_zero2")
     got = c.run_lightning(2, "microspeed", tmp_path)

@@ -146,6 +146,29 @@ class PipelinePlugin:
         self.runtime = PipelineRuntime(engine, self.module, self.config["pipeline"]["schedule"])
         engine.set_plugin_state("pipeline", self.runtime)
 
+    @hookimpl(wrapper=True)
+    def microspeed_make_dataloader(self, engine: Any, dataset: Any, collate_fn: Any) -> Any:
+        """Give a pipeline's ``train_batch()`` DeepSpeed's data order: this rank's shard, unshuffled, repeating.
+
+        DeepSpeed's pipeline engine feeds ``train_batch()`` without an iterator from a loader of its own
+        (``DistributedSampler(shuffle=False)`` over the data axis, repeating), not from the shuffled loader
+        ``initialize()`` returns; a script ported from DeepSpeed sees the same samples in the same order.
+        """
+        loader = yield
+        if self.runtime is not None and dataset is not None:
+            from torch.utils.data import DataLoader
+            from torch.utils.data.distributed import DistributedSampler
+
+            from microspeed import RepeatingLoader
+
+            topo = engine.topology
+            sampler = DistributedSampler(dataset, num_replicas=topo.data_parallel_size,
+                                         rank=topo.data_parallel_rank, shuffle=False)
+            engine.set_dataiterator(RepeatingLoader(DataLoader(
+                dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
+                collate_fn=collate_fn, drop_last=engine.config["dataloader_drop_last"])))
+        return loader
+
     @hookimpl
     def microspeed_before_forward(self, engine: Any) -> None:
         """Refuse ``engine(x)`` with several stages: only the schedule knows what each stage runs."""

@@ -103,3 +103,33 @@ def test_deepspeeds_pipeline_keys_are_acted_on_or_noticed(caplog):
     with pytest.raises(microspeed.ConfigError, match="activation_checkpoint_interval"):
         microspeed.initialize(model=pipeline(_specs(), num_stages=1),
                               config={**_config(), "pipeline": {"activation_checkpoint_interval": -1}})
+
+
+def test_train_batch_without_an_iterator_reads_training_data_in_order():
+    """DeepSpeed's pipeline engine feeds ``train_batch()`` from its own unshuffled, repeating loader.
+
+    The loader ``initialize()`` returns stays the shuffled one; ``train_batch()`` takes samples 0, 1, 2, ...
+    (so the losses equal the reference fed in dataset order, and a shuffled feed would not).
+    """
+    import microspeed
+
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(6, generator=g), torch.randn(2, generator=g)) for _ in range(12)]
+    engine, _, loader, _ = microspeed.initialize(model=pipeline(_specs(inplace=False), num_stages=1),
+                                                 config=_config(), training_data=data)
+    losses = [engine.train_batch().item() for _ in range(2)]
+    model = build_reference(_specs(inplace=False))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    expected = []
+    for step in range(2):
+        chunk = data[step * 6:(step + 1) * 6]
+        micro = [(torch.stack([x for x, _ in chunk[i:i + 2]]), torch.stack([y for _, y in chunk[i:i + 2]]))
+                 for i in range(0, 6, 2)]
+        loss = torch.stack([nn.functional.mse_loss(model(x), y) for x, y in micro]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
+    first = next(iter(loader))[0]
+    assert not torch.equal(first, torch.stack([x for x, _ in data[:2]]))  # the returned loader shuffles
