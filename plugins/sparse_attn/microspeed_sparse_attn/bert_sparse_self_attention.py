@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
+
 from microspeed_sparse_attn.sparse_self_attention import SparseSelfAttention
 from microspeed_sparse_attn.sparsity_config import FixedSparsityConfig, SparsityConfig
-from torch import nn
 
 
 class BertSparseSelfAttention(nn.Module):

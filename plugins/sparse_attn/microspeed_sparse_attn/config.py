@@ -26,6 +26,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
+from microspeed.errors import ConfigError
 from microspeed_sparse_attn.sparsity_config import (
     SUPPORTED_BLOCK_SIZES,
     BigBirdSparsityConfig,
@@ -35,8 +36,6 @@ from microspeed_sparse_attn.sparsity_config import (
     SparsityConfig,
     VariableSparsityConfig,
 )
-
-from microspeed.errors import ConfigError
 
 __all__ = ["SPARSE_ATTENTION_KEYS", "DEFAULT_MODE", "parse_sparse_attention_section", "sparsity_config_from_section"]
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from microspeed_sparse_attn.bert_sparse_self_attention import BertSparseSelfAttention
-from microspeed_sparse_attn.sparsity_config import FixedSparsityConfig, SparsityConfig
 from torch import nn
 from torch.nn import functional as F
+
+from microspeed_sparse_attn.bert_sparse_self_attention import BertSparseSelfAttention
+from microspeed_sparse_attn.sparsity_config import FixedSparsityConfig, SparsityConfig
 
 _BASES = (("bert", 0), ("roberta", 2))  # (attribute, position offset: RoBERTa keeps 2 positions for padding)
 

@@ -28,8 +28,9 @@ import os
 from typing import Any
 
 import torch
-from microspeed_sparse_attn.sparsity_config import SparsityConfig
 from torch import nn
+
+from microspeed_sparse_attn.sparsity_config import SparsityConfig
 
 BACKEND_ENV = "MICROSPEED_SPARSE_ATTN_BACKEND"
 BACKENDS = ("fused", "triton", "cpu", "reference")
