@@ -340,6 +340,21 @@ def merge_schema(claims: list[dict[str, Field | Section]]) -> Section:
     return Section(fields=fields)
 
 
+#: DeepSpeed's old section names it still reads when the new name is absent: old -> new.
+RENAMED_SECTIONS = {"bfloat16": "bf16"}
+
+
+def _renamed_sections(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Read DeepSpeed's old section names as the new ones, as DeepSpeed does (the new name wins when both are given)."""
+    if not any(old in raw and new not in raw for old, new in RENAMED_SECTIONS.items()):
+        return raw
+    out = dict(raw)
+    for old, new in RENAMED_SECTIONS.items():
+        if old in out and new not in out:
+            out[new] = out.pop(old)
+    return out
+
+
 def parse(raw: Mapping[str, Any], schema: Section, extra_problems: list[str] = ()) -> Config:
     """Validate ``raw`` against ``schema`` and fill defaults.
 
@@ -347,6 +362,7 @@ def parse(raw: Mapping[str, Any], schema: Section, extra_problems: list[str] = (
     found by the caller, e.g. arguments of ``initialize()``). Keys DeepSpeed knows that have
     no effect here become :attr:`Config.notices`.
     """
+    raw = _renamed_sections(raw)
     report = _Report()
     values = _validate_section("", raw, schema, report)
     report.problems.extend(extra_problems)

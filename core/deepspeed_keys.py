@@ -133,7 +133,7 @@ NO_EFFECT: dict[str, str] = {
     "timers": "microspeed times phases through wall_clock_breakdown and the trace",
     "nebula": "Azure Nebula checkpoint service is not used; checkpoints go through torch.distributed.checkpoint",
     "check_overflow": "fp16 overflow is always checked when a loss scaler is in use",
-    "bfloat16": "DeepSpeed's old name for 'bf16'; write \"bf16\": {\"enabled\": true} to train in bf16",
+    "bfloat16": "DeepSpeed's old name for 'bf16', read only when 'bf16' is absent (as DeepSpeed); 'bf16' is given",
 }
 
 #: DeepSpeed keys microspeed refuses when they turn something on: key -> why, and what to do.

@@ -283,6 +283,7 @@ class Engine(torch.nn.Module):
         if self._inside_no_sync:
             raise EngineUsageError("no_sync context manager reentry is unsupported: engine.no_sync() is already "
                                    "active; leave the outer block before entering another.")
+        self.hook.microspeed_no_sync(engine=self)
         self._inside_no_sync = True
         try:
             yield

@@ -202,6 +202,16 @@ def microspeed_after_forward(engine: Engine, ctx: StepContext) -> None:
 
 
 @hookspec
+def microspeed_no_sync(engine: Engine) -> None:
+    """Notification: ``engine.no_sync()`` is being entered (gradient reduction will be skipped).
+
+    A plugin that cannot skip reduction raises here, on entry, as DeepSpeed asserts (ZeRO stages 2
+    and 3 reduce-scatter gradients as backward produces them). Raise
+    :class:`microspeed.errors.EngineUsageError` (also an ``AssertionError``).
+    """
+
+
+@hookspec
 def microspeed_before_backward(engine: Engine, ctx: StepContext) -> None:
     """Notification: a backward pass begins; ``ctx.loss`` is the unscaled loss.
 

@@ -52,10 +52,6 @@ def test_nested_no_sync_is_an_assertion():
                 pass
 
 
-@pytest.mark.xfail(strict=True, reason="under ZeRO 2/3 no_sync() is refused only at the first backward, with a "
-                   "RuntimeError (plugins/zero/microspeed_zero/runtime.py before_backward); DeepSpeed asserts on "
-                   "entering the block: AssertionError 'no_sync context manager is incompatible with gradient "
-                   "partitioning logic of ZeRO stage N'")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_no_sync_refused_on_entry_under_partitioned_gradients(stage):
     engine = _engine(stage)

@@ -15,7 +15,7 @@ import torch
 
 from microspeed import comm
 from microspeed.config import Field
-from microspeed.errors import ConfigError
+from microspeed.errors import ConfigError, EngineUsageError
 from microspeed.hookspecs import StepOutcome, hookimpl
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
@@ -100,6 +100,14 @@ class ZeroPlugin:
         """Stage 3: record the module order; release what prefetching left gathered."""
         if self._active() and self.rt.stage3 is not None:
             self.rt.stage3.after_forward()
+
+    @hookimpl
+    def microspeed_no_sync(self) -> None:
+        """Stages 2, 3: refuse ``no_sync()`` on entry, as DeepSpeed asserts."""
+        if self._active() and self.rt.stage >= 2:
+            raise EngineUsageError(f"no_sync context manager is incompatible with gradient partitioning logic of "
+                                   f"ZeRO stage {self.rt.stage}: gradients are reduce-scattered as backward "
+                                   f"produces them. Use zero_optimization.stage 1 (or 0), or drop no_sync().")
 
     @hookimpl
     def microspeed_before_backward(self, ctx) -> None:

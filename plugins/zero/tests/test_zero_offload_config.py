@@ -93,8 +93,11 @@ def test_bad_zero_config_is_refused_at_initialize(zero, extra, match):
 def test_no_sync_is_refused_at_stage_2():
     engine, *_ = microspeed.initialize(model=_model(), config=_config({"stage": 2}))
     x = torch.randint(0, 64, (2, 17))
-    with engine.no_sync(), pytest.raises(RuntimeError, match=r"no_sync.*stage 2"):
-        engine.backward(engine(x[:, :-1], x[:, 1:]))
+    with pytest.raises(AssertionError, match=r"no_sync.*ZeRO stage 2"):  # on entry, as DeepSpeed asserts
+        with engine.no_sync():
+            pass
+    with pytest.raises(RuntimeError, match=r"allreduce_gradients=False.*stage 2"):
+        engine.backward(engine(x[:, :-1], x[:, 1:]), allreduce_gradients=False)
 
 
 @pytest.mark.parametrize("zero", [{"stage": 1}, {"stage": 2, "cpu_offload": True},
