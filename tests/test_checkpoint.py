@@ -369,15 +369,14 @@ def test_consolidate_cli_get_fp32_state_dict_and_save_16bit_model(tmp_path):
 
 def test_exclude_frozen_parameters_leaves_them_out_and_loads_non_strict(tmp_path, tiny_model):
     """DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)`` (Lightning always passes the keyword)."""
-    from conftest import TinyNet
-
+    tiny_net = type(tiny_model)
     tiny_model.fc1.weight.requires_grad_(False)
-    engine = _engine(TinyNet, 0, model=tiny_model)
+    engine = _engine(tiny_net, 0, model=tiny_model)
     engine.save_checkpoint(str(tmp_path), tag="t", exclude_frozen_parameters=True)
     with open(tmp_path / "t" / MANIFEST, "rb") as f:
         keys = msgpack.unpackb(f.read(), strict_map_key=False)["model"]["keys"]
     assert "fc1.weight" not in keys and "fc1.bias" in keys
-    other = _engine(TinyNet, 1)
+    other = _engine(tiny_net, 1)
     frozen_before = other.module.fc1.weight.detach().clone()
     with pytest.raises(CheckpointError, match="load_module_strict=False"):
         other.load_checkpoint(str(tmp_path), tag="t")
