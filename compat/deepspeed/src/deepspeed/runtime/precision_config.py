@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from deepspeed.runtime.config_utils import schema_model
-from deepspeed.utils.logging import logger
 
 __all__ = ["BFLOAT16", "BFLOAT16_OLD", "DeepSpeedBF16Config", "DeepSpeedFP16Config", "FP16", "get_bfloat16_config",
            "get_float16_config"]
@@ -30,7 +29,8 @@ def get_float16_config(param_dict: dict[str, Any]) -> Any:
 
 
 def get_bfloat16_config(param_dict: dict[str, Any]) -> Any:
-    """The ``bf16`` section of a ds_config dict as :class:`DeepSpeedBF16Config` (``bfloat16`` has no effect here)."""
-    if BFLOAT16_OLD in param_dict and BFLOAT16 not in param_dict:
-        logger.warning("config key 'bfloat16' has no effect in microspeed; write \"bf16\": {\"enabled\": true}")
-    return DeepSpeedBF16Config(**param_dict.get(BFLOAT16, {}))
+    """The ``bf16`` section of a ds_config dict as :class:`DeepSpeedBF16Config` (the old ``bfloat16`` when absent).
+
+    microspeed's own parser reads the old name the same way (``microspeed.config.RENAMED_SECTIONS``).
+    """
+    return DeepSpeedBF16Config(**param_dict.get(BFLOAT16, param_dict.get(BFLOAT16_OLD, {})))
