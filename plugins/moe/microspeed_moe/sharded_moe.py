@@ -278,3 +278,12 @@ class TopKGate(nn.Module):
         if self.wall_clock_breakdown:
             self.gate_time = (time.perf_counter() - start) * 1000.0
         return output
+
+
+def __getattr__(name: str) -> Any:
+    """``MOELayer`` lives in :mod:`microspeed_moe.layer` (which imports this module); DeepSpeed exposes it here."""
+    if name == "MOELayer":
+        from microspeed_moe.layer import MOELayer
+
+        return MOELayer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

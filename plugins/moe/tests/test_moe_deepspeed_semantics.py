@@ -160,3 +160,12 @@ def test_sparse_encode_decode_helpers_equal_the_dense_einsums():
         out = torch.randn_like(encoded)
         torch.testing.assert_close(_sparse_decode(out.view(experts * cap, 8), slots, gates, 16),
                                    torch.einsum("sec,ecm->sm", combine, out))
+
+
+def test_moelayer_is_reachable_where_deepspeed_exposes_it():
+    """DeepSpeed scripts import ``MOELayer`` from ``deepspeed.moe.sharded_moe``."""
+    from microspeed_moe import layer, sharded_moe
+
+    assert sharded_moe.MOELayer is layer.MOELayer
+    with pytest.raises(AttributeError, match="no_such_name"):
+        sharded_moe.no_such_name  # noqa: B018
