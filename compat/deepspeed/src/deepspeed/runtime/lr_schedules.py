@@ -1,7 +1,13 @@
-"""``deepspeed.runtime.lr_schedules``: microspeed's schedules (:mod:`microspeed.builtin.lr_schedules`)."""
+"""``deepspeed.runtime.lr_schedules``: microspeed's schedules (:mod:`microspeed.builtin.lr_schedules`).
 
+The schedule classes, ``VALID_LR_SCHEDULES`` and DeepSpeed's key constants (``WARMUP_MIN_LR``, ...) all come
+from there; clients test a config's type against ``VALID_LR_SCHEDULES`` and build configs with the constants.
+"""
+
+from microspeed.builtin import lr_schedules as _impl
 from microspeed.builtin.lr_schedules import (
     SCHEDULER_NAMES,
+    VALID_LR_SCHEDULES,
     WARMUP_TYPES,
     LRRangeTest,
     OneCycle,
@@ -11,43 +17,8 @@ from microspeed.builtin.lr_schedules import (
     build_scheduler,
 )
 
-LR_RANGE_TEST = "LRRangeTest"
-ONE_CYCLE = "OneCycle"
-WARMUP_LR = "WarmupLR"
-WARMUP_DECAY_LR = "WarmupDecayLR"
-WARMUP_COSINE_LR = "WarmupCosineLR"
-
-VALID_LR_SCHEDULES = [LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR]
-"""The scheduler ``type`` names DeepSpeed implements itself (clients test a config's type against it)."""
-
-#: The ``scheduler.params`` key names, under DeepSpeed's constant names (tests and scripts build configs with them).
-LR_SCHEDULE = "lr_schedule"
-LR_RANGE_TEST_MIN_LR = "lr_range_test_min_lr"
-LR_RANGE_TEST_STEP_RATE = "lr_range_test_step_rate"
-LR_RANGE_TEST_STEP_SIZE = "lr_range_test_step_size"
-LR_RANGE_TEST_STAIRCASE = "lr_range_test_staircase"
-EDGE_VALUE = "edge_value"
-MID_VALUE = "mid_value"
-CYCLE_FIRST_STEP_SIZE = "cycle_first_step_size"
-CYCLE_FIRST_STAIR_COUNT = "cycle_first_stair_count"
-CYCLE_SECOND_STEP_SIZE = "cycle_second_step_size"
-CYCLE_SECOND_STAIR_COUNT = "cycle_second_stair_count"
-DECAY_STEP_SIZE = "decay_step_size"
-CYCLE_MIN_LR = "cycle_min_lr"
-CYCLE_MAX_LR = "cycle_max_lr"
-DECAY_LR_RATE = "decay_lr_rate"
-CYCLE_MIN_MOM = "cycle_min_mom"
-CYCLE_MAX_MOM = "cycle_max_mom"
-DECAY_MOM_RATE = "decay_mom_rate"
-WARMUP_MIN_LR = "warmup_min_lr"
-WARMUP_MAX_LR = "warmup_max_lr"
-WARMUP_NUM_STEPS = "warmup_num_steps"
-WARMUP_TYPE = "warmup_type"
-WARMUP_LOG_RATE = "log"
-WARMUP_LINEAR_RATE = "linear"
-WARMUP_MIN_RATIO = "warmup_min_ratio"
-COS_MIN_RATIO = "cos_min_ratio"
-TOTAL_NUM_STEPS = "total_num_steps"
+# DeepSpeed's constant names (scheduler type names, scheduler.params keys), defined once in microspeed.
+globals().update({k: v for k, v in vars(_impl).items() if k.isupper() and isinstance(v, (str, list))})
 
 __all__ = ["LRRangeTest", "OneCycle", "SCHEDULER_NAMES", "VALID_LR_SCHEDULES", "WARMUP_TYPES", "WarmupCosineLR",
            "WarmupDecayLR", "WarmupLR", "build_scheduler"]
