@@ -9,22 +9,26 @@ from __future__ import annotations
 from typing import Any
 
 
-def __getattr__(name: str) -> Any:
+def zero_name(module: str, name: str) -> Any:
+    """``name`` from :mod:`microspeed.zero`, or an ``AttributeError`` naming ``module.name`` and the plugin."""
     import importlib
 
+    if name.startswith("__"):
+        raise AttributeError(name)
+    try:
+        return getattr(importlib.import_module("microspeed.zero"), name)
+    except AttributeError:
+        raise AttributeError(f"{module}.{name}: microspeed's ZeRO plugin (microspeed.zero) does not provide "
+                             f"{name}") from None
+
+
+def __getattr__(name: str) -> Any:
     from deepspeed import _aliases
 
     found = _aliases.submodule(__name__, name)
     if found is not None:
         return found
-    if name.startswith("__"):
-        raise AttributeError(name)
-    zero = importlib.import_module("microspeed.zero")
-    try:
-        return getattr(zero, name)
-    except AttributeError:
-        raise AttributeError(f"deepspeed.zero.{name}: microspeed's ZeRO plugin (microspeed.zero) does not provide "
-                             f"{name}") from None
+    return zero_name("deepspeed.zero", name)
 
 
 def __dir__() -> list[str]:

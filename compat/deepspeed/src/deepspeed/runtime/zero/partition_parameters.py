@@ -51,13 +51,6 @@ class MultipleAllGatherHandles:
 
 
 def __getattr__(name: str) -> Any:
-    import importlib
+    from deepspeed.runtime.zero import zero_name
 
-    if name.startswith("__"):
-        raise AttributeError(name)
-    zero = importlib.import_module("microspeed.zero")
-    try:
-        return getattr(zero, name)
-    except AttributeError:
-        raise AttributeError(f"deepspeed.runtime.zero.partition_parameters.{name}: microspeed's ZeRO plugin "
-                             f"(microspeed.zero) does not provide {name}") from None
+    return zero_name(__name__, name)
