@@ -52,9 +52,12 @@ import torch  # noqa: E402
 from common import make_batches  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 import microspeed  # noqa: E402
-from microspeed import trace, watchdog  # noqa: E402
 from microspeed.demo.model import GPT, GPTConfig  # noqa: E402
 from microspeed.engine import StepContext  # noqa: E402
+from microspeed.observe import (
+    trace,
+    watchdog,  # noqa: E402
+)
 from microspeed.plugins import PluginManager  # noqa: E402
 
 NO_TRACING = ["tracing", "watchdog", "comms_logger"]

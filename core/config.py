@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from microspeed import deepspeed_keys
+from microspeed.compat import deepspeed_keys
 from microspeed.errors import ConfigError
 
 AUTO = "auto"
@@ -178,7 +178,7 @@ def _validate_section(path: str, given: Mapping[str, Any], section: Section, rep
 
 
 def _known_elsewhere(path: str, key: str, value: Any, section: Section, report: _Report) -> bool:
-    """Classify a key no schema lists (see :mod:`microspeed.deepspeed_keys`); ``True`` when it is accepted."""
+    """Classify a key no schema lists (see :mod:`microspeed.compat.deepspeed_keys`); ``True`` when it is accepted."""
     where = f"{path}.{key}" if path else key
     if key in section.notices:
         report.notices.append(f"{where}: accepted, no effect here: {section.notices[key]}.")

@@ -20,6 +20,7 @@ from microspeed.errors import MissingPluginError
 
 #: ``alias under microspeed`` -> ``(target package, distribution)``.
 ALIASES: dict[str, tuple[str, str]] = {
+    "accelerator": ("microspeed.compat.accelerator", "microspeed"),  # DeepSpeed's deepspeed.accelerator
     "zero": ("microspeed_zero", "microspeed-zero"),
     "pipe": ("microspeed_pipeline", "microspeed-pipeline"),
     "checkpointing": ("microspeed_pipeline.checkpointing", "microspeed-pipeline"),

@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 import microspeed
 from microspeed import checkpoint
 from microspeed.checkpoint import MANIFEST, CheckpointError, CheckpointWarning
-from microspeed.checkpoint_cli import main as checkpoint_cli
+from microspeed.cli.checkpoint import main as checkpoint_cli
 
 
 def _config(fp16=False, bf16=False):

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import microspeed
-from microspeed.checkpoint_cli import main as checkpoint_cli
+from microspeed.cli.checkpoint import main as checkpoint_cli
 from microspeed.testing import DistributedTestError, run_distributed
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None

@@ -20,7 +20,7 @@ import torch
 
 import microspeed
 from microspeed.checkpoint import get_fp32_state_dict
-from microspeed.checkpoint_cli import main as checkpoint_cli
+from microspeed.cli.checkpoint import main as checkpoint_cli
 from microspeed.testing import run_distributed
 
 HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -161,7 +161,7 @@ def test_cpu_adam_int_step_imports_as_a_tensor_and_resumes(saved, tmp_path):
             st["step"] = 3
         torch.save(sd, path)
     assert checkpoint_cli(["import-deepspeed", str(dst), str(tmp_path / "back")]) == 0
-    from microspeed.checkpoint_export import read_microspeed
+    from microspeed.checkpoint.export import read_microspeed
 
     imported = read_microspeed(str(tmp_path / "back"))["optimizer"]["state"]
     assert all(isinstance(s["step"], torch.Tensor) and float(s["step"]) == 3.0 for s in imported.values())
@@ -178,7 +178,7 @@ def test_export_refuses_stage0_masters_and_bad_stage(tmp_path):
     root = str(tmp_path / "ms")
     _train_and_save(root, [(0, "bf16")], 1)
     with pytest.raises(microspeed.checkpoint.CheckpointError, match="--zero-stage 1"):
-        from microspeed.checkpoint_export import export_deepspeed
+        from microspeed.checkpoint.export import export_deepspeed
 
         export_deepspeed(os.path.join(root, "1_0_bf16"), str(tmp_path / "ds"))
     with pytest.raises(microspeed.checkpoint.CheckpointError, match="stage-2 layout"):

@@ -11,7 +11,7 @@ import torch
 import microspeed
 from microspeed import ConfigError
 from microspeed.bootstrap import _NOTICES_LOGGED
-from microspeed.deepspeed_keys import DEEPSPEED_KEYS, NO_EFFECT, REFUSED, is_deepspeed_key
+from microspeed.compat.deepspeed_keys import DEEPSPEED_KEYS, NO_EFFECT, REFUSED, is_deepspeed_key
 
 
 def _base(**extra):

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import microspeed
-from microspeed import cli, standin
-from microspeed.accelerator import Accelerator
+from microspeed import cli
+from microspeed.compat import standin
+from microspeed.compat.accelerator import Accelerator
+from microspeed.compat.tensor_utils import clone_tensors_for_torch_save, move_to_device
 from microspeed.ops.cpu_optimizers import DeepSpeedCPUAdagrad, DeepSpeedCPUAdam, DeepSpeedCPULion
-from microspeed.tensor_utils import clone_tensors_for_torch_save, move_to_device
 from microspeed.testing import distributed
 
 STANDIN = str(standin.source_folder())
@@ -253,7 +254,7 @@ def test_mixing_refused_when_real_deepspeed_was_imported_first():
         assert "site-packages" in deepspeed.__file__
         del sys.modules["deepspeed"]
         sys.path.insert(0, {STANDIN!r})
-        from microspeed.standin import StandinConflictError
+        from microspeed.compat.standin import StandinConflictError
         try:
             import deepspeed
         except StandinConflictError as e:
@@ -456,7 +457,7 @@ def test_cpu_device_count_follows_local_size(monkeypatch):
 
 
 def test_ds_accelerator_env_is_checked(monkeypatch):
-    from microspeed import accelerator
+    from microspeed.compat import accelerator
 
     monkeypatch.setattr(accelerator, "_accelerator", None)
     monkeypatch.setenv("DS_ACCELERATOR", "xpu")
@@ -499,7 +500,7 @@ def test_comm_deepspeed_names():
 @distributed(world_size=3)
 def test_partitioned_tensor_splits_and_gathers():
     from microspeed import comm
-    from microspeed.tensor_utils import PartitionedTensor
+    from microspeed.compat.tensor_utils import PartitionedTensor
 
     full = torch.arange(35.0).view(7, 5)  # 35 elements over 3 ranks: slices of 12, 12, 11
     part = PartitionedTensor(full, group=None)
@@ -537,7 +538,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel, get_config_defa
 from deepspeed.runtime.zero.config import (DeepSpeedZeroConfig, DeepSpeedZeroOffloadOptimizerConfig,
                                            DeepSpeedZeroOffloadParamConfig, ZeroStageEnum)
 from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
-from microspeed.deepspeed_config import default_of
+from microspeed.compat.deepspeed_config import default_of
 out = {}
 
 class Conf(DeepSpeedConfigModel):
@@ -720,7 +721,7 @@ def test_fp16_unfused_optimizer_steps_fp32_masters_and_skips_overflow():
 def test_deepspeed_config_helper_uses_the_plugins_schema():
     import base64
 
-    from microspeed import deepspeed_config
+    from microspeed.compat import deepspeed_config
 
     assert deepspeed_config.default_of("zero_optimization.stage") == 0
     assert deepspeed_config.default_of("fp16.loss_scale_window") == 1000
@@ -819,7 +820,7 @@ def test_tensor_helpers():
 
 
 def test_zero_to_fp32_over_a_microspeed_checkpoint(tmp_path):
-    from microspeed.zero_to_fp32 import (
+    from microspeed.checkpoint.zero_to_fp32 import (
         convert_zero_checkpoint_to_fp32_state_dict,
         get_fp32_state_dict_from_zero_checkpoint,
         load_state_dict_from_zero_checkpoint,
@@ -871,7 +872,7 @@ ZERO_TO_FP32_ON_DEEPSPEED = """
 import json, sys, torch
 import deepspeed  # real DeepSpeed writes the checkpoint (plain microspeed beside it is allowed)
 from deepspeed.utils import zero_to_fp32 as ds_z
-from microspeed import zero_to_fp32 as ms_z
+from microspeed.checkpoint import zero_to_fp32 as ms_z
 root = sys.argv[1]
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))

@@ -1,4 +1,4 @@
-"""``microspeed lr-find``: the LR range test on a training script (``microspeed.lr_find``)."""
+"""``microspeed lr-find``: the LR range test on a training script (``microspeed.cli.lr_find``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from microspeed import lr_find
-from microspeed.lr_find import ExponentialRangeTest, LRFinder, range_test_section, smooth, suggest
+from microspeed.cli import lr_find
+from microspeed.cli.lr_find import ExponentialRangeTest, LRFinder, range_test_section, smooth, suggest
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import microspeed
-from microspeed import cli, comm, trace, trace_cli
+from microspeed import cli, comm
+from microspeed.cli import trace as trace_cli
+from microspeed.observe import trace
 from microspeed.testing import run_distributed
 
 STEPS = 3

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 import microspeed
-from microspeed import comm, trace, trace_cli, watchdog
+from microspeed import comm
+from microspeed.cli import trace as trace_cli
+from microspeed.observe import trace, watchdog
+from microspeed.observe.watchdog import RankState, find_stragglers, format_report
 from microspeed.testing import DistributedTestError, run_distributed
-from microspeed.watchdog import RankState, find_stragglers, format_report
 
 TIMEOUT_S = 3.0
 

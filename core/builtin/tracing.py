@@ -1,4 +1,4 @@
-"""The ``trace`` section: hook-level tracing, one JSON-lines file per rank (see :mod:`microspeed.trace`).
+"""The ``trace`` section: hook-level tracing, one JSON-lines file per rank (see :mod:`microspeed.observe.trace`).
 
 ``MICROSPEED_TRACE=<dir>`` turns tracing on when the plugins are loaded (so ``initialize()`` is
 traced too) and wins over the config; ``"trace": {"enabled": true, "output_path": "<dir>"}``
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from microspeed import trace
 from microspeed.config import Field, Section
 from microspeed.hookspecs import hookimpl
+from microspeed.observe import trace
 
 
 class TracingPlugin:

@@ -1,4 +1,4 @@
-"""The ``watchdog`` section: stop a hung job with a report naming the stragglers (:mod:`microspeed.watchdog`).
+"""The ``watchdog`` section: stop a hung job with a report naming the stragglers (:mod:`microspeed.observe.watchdog`).
 
 ``"watchdog": {"timeout_s": 300}`` starts, on every rank, a thread that fails the job when the
 rank has waited in one collective or one hook longer than that. Off (``null``) by default; when
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from microspeed import trace, watchdog
 from microspeed.config import Field, Section, positive
 from microspeed.hookspecs import hookimpl
+from microspeed.observe import trace, watchdog
 
 
 class WatchdogPlugin:

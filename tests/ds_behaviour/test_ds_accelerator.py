@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from microspeed.accelerator import get_accelerator
+from microspeed.compat.accelerator import get_accelerator
 
 
 def test_cpu_device_count_defaults_to_one_without_local_size(monkeypatch):

@@ -13,7 +13,7 @@ from microspeed_efficiency.data_efficiency_plugin import DataEfficiencyPlugin
 from microspeed_efficiency.data_sampler import CurriculumDataLoader, CurriculumDataSampler, parse_curriculum_metrics
 
 import microspeed
-from microspeed.checkpoint_manifest import pack, unpack
+from microspeed.checkpoint.manifest import pack, unpack
 from microspeed.testing import run_distributed, tiny_engine
 
 N = 240

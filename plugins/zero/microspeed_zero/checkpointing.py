@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from microspeed.checkpoint import CheckpointError, CheckpointWarning, flat_shard
-from microspeed.checkpoint_manifest import TensorRef, split
+from microspeed.checkpoint.manifest import TensorRef, split
 
 
 def _sharded(rt: Any, seg: Any, i: int, local: torch.Tensor) -> Any:

@@ -5,7 +5,7 @@ DeepSpeed's example scripts) get microspeed here: ``deepspeed.initialize`` is
 :func:`microspeed.initialize`, and DeepSpeed's module paths (``deepspeed.zero``, ``deepspeed.utils``,
 ``deepspeed.ops.adam``, ``deepspeed.accelerator``, ...) map to microspeed's implementation. Nothing of
 real DeepSpeed is imported; importing this package beside real DeepSpeed's modules is refused
-(:class:`microspeed.standin.StandinConflictError`, naming both paths).
+(:class:`microspeed.compat.standin.StandinConflictError`, naming both paths).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import os as _os
 from typing import Any
 
-from microspeed import standin as _standin
+from microspeed.compat import standin as _standin
 
 _HERE = _os.path.dirname(_os.path.abspath(__file__))
 _standin.check_not_mixed(_HERE)
@@ -31,7 +31,7 @@ from microspeed import (  # noqa: E402
     hookimpl,
     init_distributed,
 )
-from microspeed.accelerator import get_accelerator  # noqa: E402
+from microspeed.compat.accelerator import get_accelerator  # noqa: E402
 
 __version__ = _standin.STANDIN_VERSION
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8

@@ -27,7 +27,7 @@ ALIASES: dict[str, str] = {
     "deepspeed.runtime.activation_checkpointing.checkpointing": "microspeed.checkpointing",
     "deepspeed.ops.sparse_attention": "microspeed.ops.sparse_attention",
     "deepspeed.profiling.flops_profiler": "microspeed.profiling.flops_profiler",
-    "deepspeed.accelerator.real_accelerator": "microspeed.accelerator",
+    "deepspeed.accelerator.real_accelerator": "microspeed.compat.accelerator",
     "deepspeed.comm.comm": "deepspeed.comm",
     "deepspeed.runtime.dataloader": "microspeed.builtin.dataloader",
     "deepspeed.runtime.fp16.loss_scaler": "microspeed.builtin.loss_scaler",

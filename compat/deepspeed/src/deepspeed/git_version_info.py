@@ -13,7 +13,7 @@ import torch
 
 import deepspeed as _deepspeed
 from deepspeed.ops import op_builder as _op_builder
-from microspeed.accelerator import get_accelerator as _get_accelerator
+from microspeed.compat.accelerator import get_accelerator as _get_accelerator
 
 version: str = _deepspeed.__version__
 """The stand-in's version, ``0.19.8+microspeed``."""

@@ -1,10 +1,10 @@
-"""``deepspeed.accelerator``: :func:`microspeed.accelerator.get_accelerator` (CPU or CUDA)."""
+"""``deepspeed.accelerator``: :func:`microspeed.compat.accelerator.get_accelerator` (CPU or CUDA)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from microspeed.accelerator import Accelerator, get_accelerator, set_accelerator
+from microspeed.compat.accelerator import Accelerator, get_accelerator, set_accelerator
 
 
 def is_current_accelerator_supported() -> bool:

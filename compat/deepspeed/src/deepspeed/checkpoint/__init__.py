@@ -6,7 +6,7 @@ from typing import Any
 
 from deepspeed.checkpoint import utils
 from microspeed.checkpoint import get_fp32_state_dict
-from microspeed.checkpoint_deepspeed import read_deepspeed
+from microspeed.checkpoint.deepspeed_format import read_deepspeed
 
 __all__ = ["get_fp32_state_dict", "read_deepspeed", "utils"]
 

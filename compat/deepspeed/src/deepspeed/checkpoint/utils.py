@@ -1,5 +1,5 @@
-"""``deepspeed.checkpoint.utils``: :func:`microspeed.tensor_utils.clone_tensors_for_torch_save`."""
+"""``deepspeed.checkpoint.utils``: :func:`microspeed.compat.tensor_utils.clone_tensors_for_torch_save`."""
 
-from microspeed.tensor_utils import clone_tensors_for_torch_save
+from microspeed.compat.tensor_utils import clone_tensors_for_torch_save
 
 __all__ = ["clone_tensors_for_torch_save"]

@@ -4,7 +4,7 @@
 does, and exposes DeepSpeed's public attributes (``train_batch_size``, ``zero_config``,
 ``zero_optimization_stage``, ``fp16_enabled``, ``bfloat16_enabled``, ``monitor_config``, ...). Nothing is
 parsed twice: the config is validated by :func:`microspeed.config.parse` against the schema the
-installed plugins claim (:mod:`microspeed.deepspeed_config`), so a key the engine would refuse is refused
+installed plugins claim (:mod:`microspeed.compat.deepspeed_config`), so a key the engine would refuse is refused
 here with the same message (a :class:`microspeed.ConfigError`, which is a ``ValueError``), and every
 value is the one ``initialize()`` would use. The batch triad is resolved by
 :func:`microspeed.config.resolve_batch_triad` over the data-parallel world size (``mpu``'s, else
@@ -28,8 +28,8 @@ from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_
 from deepspeed.runtime.zero.config import ZeroStageEnum, get_zero_config
 from deepspeed.utils.logging import logger
 from microspeed import comm
+from microspeed.compat.deepspeed_config import parse_config, read_config
 from microspeed.config import AUTO, Config, resolve_batch_triad
-from microspeed.deepspeed_config import parse_config, read_config
 from microspeed.errors import ConfigError
 
 __all__ = ["ADAGRAD_OPTIMIZER", "ADAMW_OPTIMIZER", "ADAM_OPTIMIZER", "DEEPSPEED_OPTIMIZERS", "LAMB_OPTIMIZER",

@@ -162,7 +162,7 @@ def schema_model(dotted: str, name: str, doc: str) -> type[DeepSpeedConfigModel]
     keys the section only notices are fields too (default ``None``), and an instance is validated by
     :func:`microspeed.config.parse` first, so it accepts exactly what ``initialize()`` accepts.
     """
-    from microspeed.deepspeed_config import parse_config, schema
+    from microspeed.compat.deepspeed_config import parse_config, schema
 
     node: Field | Section = schema()
     for part in dotted.split("."):

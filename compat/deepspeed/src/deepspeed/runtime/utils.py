@@ -1,10 +1,15 @@
-"""``deepspeed.runtime.utils``: tensor helpers (:mod:`microspeed.tensor_utils`) and the pipeline's partition rules."""
+"""``deepspeed.runtime.utils``: tensor helpers (:mod:`microspeed.compat.tensor_utils`), pipeline partition rules."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from microspeed.tensor_utils import PartitionedTensor, clone_tensors_for_torch_save, move_to_device, set_random_seed
+from microspeed.compat.tensor_utils import (
+    PartitionedTensor,
+    clone_tensors_for_torch_save,
+    move_to_device,
+    set_random_seed,
+)
 
 #: Served by the pipeline plugin (``microspeed.pipe.module``), imported when first used.
 PIPE_NAMES = ("partition_uniform", "partition_balanced")
@@ -29,7 +34,7 @@ def see_memory_usage(message: str, force: bool = False) -> None:
         return
     from deepspeed.utils.logging import logger
     from microspeed import comm
-    from microspeed.accelerator import get_accelerator
+    from microspeed.compat.accelerator import get_accelerator
 
     if comm.get_rank() != 0:
         return

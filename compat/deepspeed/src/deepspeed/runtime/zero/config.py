@@ -25,8 +25,8 @@ from deepspeed.runtime.zero.offload_config import (
     DeepSpeedZeroOffloadParamConfig,
     OffloadDeviceEnum,
 )
+from microspeed.compat.deepspeed_config import default_of, parse_config
 from microspeed.config import AUTO
-from microspeed.deepspeed_config import default_of, parse_config
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroLeafModuleConfig", "DeepSpeedZeroOffloadOptimizerConfig",
            "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum", "ZERO_OPTIMIZATION", "ZeroStageEnum",

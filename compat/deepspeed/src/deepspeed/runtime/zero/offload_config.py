@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import Field
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from microspeed.deepspeed_config import default_of
+from microspeed.compat.deepspeed_config import default_of
 
 __all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
            "OffloadStateTypeEnum"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from microspeed.accelerator import get_accelerator  # noqa: F401 - clients reach it through this module
+from microspeed.compat.accelerator import get_accelerator  # noqa: F401 - clients reach it through this module
 
 partitioned_param_data_shape = [0]
 """The shape a released ZeRO-3 parameter shows (``p.data`` is an empty placeholder; ``p.ds_shape`` is its real one)."""

@@ -38,7 +38,7 @@ of the lr at the minimum (bounded below by ``--min-lr``). Both the suggestion
 and the lr of the smoothed minimum (and a tenth of it, the other common rule) are printed. Rank 0 prints them
 and saves the loss-vs-lr plot (log-scaled lr axis) as a PNG (matplotlib, from the ``monitor`` extra).
 
-Under ``torchrun`` (``--nproc N`` launches it, or ``torchrun ... -m microspeed.lr_find ...``) every rank
+Under ``torchrun`` (``--nproc N`` launches it, or ``torchrun ... -m microspeed.cli.lr_find ...``) every rank
 runs the script and the recorder; only rank 0 plots and prints. Further ``initialize()`` calls of the script
 (an evaluation engine) are left as they are.
 """
@@ -453,7 +453,7 @@ def _launch(argv: Sequence[str], nproc: int) -> int:
         rest.append(arg)
     os.environ[LAUNCH_ENV] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    torchrun.main([f"--nproc-per-node={nproc}", "--standalone", "-m", "microspeed.lr_find", *rest])
+    torchrun.main([f"--nproc-per-node={nproc}", "--standalone", "-m", "microspeed.cli.lr_find", *rest])
     return 0
 
 

@@ -4,7 +4,7 @@ microspeed checkpoints already hold full, named tensors (:mod:`microspeed.checkp
 consolidating is reading them: :func:`get_fp32_state_dict_from_zero_checkpoint` returns the module's
 state dict in fp32 (fp32 master weights where the run was fp16/bf16), as DeepSpeed's function of the
 same name does for its ZeRO shards. A folder written by real DeepSpeed is read too
-(:func:`microspeed.checkpoint_deepspeed.read_deepspeed`).
+(:func:`microspeed.checkpoint.deepspeed_format.read_deepspeed`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: str | Non
                       "(the same values); the memory saving of lazy loading does not apply", stacklevel=2)
     if _is_microspeed(checkpoint_dir, tag):
         return get_fp32_state_dict(checkpoint_dir, tag)
-    from microspeed.checkpoint_deepspeed import read_deepspeed
+    from microspeed.checkpoint.deepspeed_format import read_deepspeed
 
     read = read_deepspeed(checkpoint_dir, tag)
     out: dict[str, torch.Tensor] = {}

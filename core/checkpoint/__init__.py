@@ -22,7 +22,7 @@ Tensors are keyed by parameter name (FQN), never by rank or integer index:
 
 The small rest — versions, ds_config, world size, counters, the module's key list, optimizer
 param groups (with FQNs), scheduler state, plugin list and each plugin's small state, client
-state and every rank's RNG states — is the manifest (:mod:`microspeed.checkpoint_manifest`).
+state and every rank's RNG states — is the manifest (:mod:`microspeed.checkpoint.manifest`).
 
 **Who writes what.** Every rank calls :func:`save` with the same state dict of full tensors;
 DCP's planner de-duplicates replicated tensors, so in pure data parallelism the ranks split the
@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from microspeed import comm
-from microspeed.checkpoint_manifest import TensorRef, join, pack, split, tensor_refs, unpack
+from microspeed.checkpoint.manifest import TensorRef, join, pack, split, tensor_refs, unpack
 
 __all__ = [
     "LATEST",

@@ -32,7 +32,7 @@ def cmd_run(argv: Sequence[str]) -> int:
 
     args = list(argv)
     if _take_flag(args, "--as-deepspeed"):
-        from microspeed import standin
+        from microspeed.compat import standin
 
         if not standin.installed_standin():
             try:
@@ -100,7 +100,7 @@ def cmd_deepspeed_path(argv: Sequence[str]) -> int:
     """
     parser = argparse.ArgumentParser(prog="microspeed deepspeed-path", description=cmd_deepspeed_path.__doc__)
     parser.parse_args(argv)
-    from microspeed import standin
+    from microspeed.compat import standin
 
     try:
         print(standin.source_folder())
@@ -140,10 +140,10 @@ COMMANDS = {
     "demo": cmd_demo,
     "config-keys": cmd_config_keys,
     "deepspeed-path": cmd_deepspeed_path,
-    "checkpoint": "microspeed.checkpoint_cli:main",
-    "trace": "microspeed.trace_cli:main",
-    "plot": "microspeed.plot:main",
-    "lr-find": "microspeed.lr_find:main",
+    "checkpoint": "microspeed.cli.checkpoint:main",
+    "trace": "microspeed.cli.trace:main",
+    "plot": "microspeed.cli.plot:main",
+    "lr-find": "microspeed.cli.lr_find:main",
 }
 """Sub-commands: name -> function taking the remaining arguments and returning an exit code.
 

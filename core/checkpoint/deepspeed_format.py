@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from microspeed.checkpoint import CheckpointError, new_manifest, read_latest, write_checkpoint
-from microspeed.checkpoint_manifest import split
+from microspeed.checkpoint.manifest import split
 
 __all__ = ["import_deepspeed", "read_deepspeed"]
 

@@ -49,7 +49,7 @@ def source_folder() -> Path:
             raise FileNotFoundError(f"{ENV_VAR}={override}: no deepspeed/__init__.py there; point it at the folder "
                                     "that holds the stand-in package (compat/deepspeed/src of a microspeed checkout)")
         return folder
-    checkout = Path(__file__).resolve().parent.parent
+    checkout = Path(__file__).resolve().parents[2]  # core/compat/standin.py -> the checkout
     folder = checkout / "compat" / "deepspeed" / "src"
     if (folder / "deepspeed" / "__init__.py").is_file():
         return folder

@@ -635,7 +635,7 @@ class CommsLogger(CollectiveObserver):
         """Note the calling function when ``debug`` is on."""
         if self.debug:
             frame = sys._getframe(1)
-            while frame is not None and frame.f_globals.get("__name__") in (__name__, "microspeed.trace"):
+            while frame is not None and frame.f_globals.get("__name__") in (__name__, "microspeed.observe.trace"):
                 frame = frame.f_back
             call.caller = frame.f_code.co_name if frame is not None else "?"
 

@@ -1,7 +1,7 @@
 """Hang diagnosis: a per-rank watchdog that turns a hang into a report naming the stragglers.
 
 With ``"watchdog": {"timeout_s": N}`` every rank runs a daemon thread that watches what the main
-thread is doing, through the same instrumentation as tracing (:data:`microspeed.trace.probe`):
+thread is doing, through the same instrumentation as tracing (:data:`microspeed.observe.trace.probe`):
 the hook call (and the plugin running in it) or the collective of :mod:`microspeed.comm` in
 progress, and since when. Code outside hooks and collectives (the model's forward, the user's
 loop) is never timed.
@@ -39,7 +39,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from microspeed import comm, trace
+from microspeed import comm
+from microspeed.observe import trace
 
 EXIT_CODE = 86
 """Exit code of a rank that the watchdog stopped."""
@@ -127,7 +128,7 @@ def _filtered_stack(frame: Any) -> str:
     """The Python stack ending at ``frame``, without pluggy's and the probe's own frames."""
     if frame is None:
         return ""
-    skip = (os.path.dirname(__import__("pluggy").__file__), trace.__file__, comm.__file__)
+    skip = (os.path.dirname(__import__("pluggy").__file__), trace.__file__, os.path.dirname(comm.__file__))
     entries = [e for e in traceback.format_stack(frame) if not any(s in e for s in skip)]
     return "".join(entries[-40:])
 
@@ -505,7 +506,7 @@ _current: Watchdog | None = None
 def start(timeout_s: float, **kwargs: Any) -> Watchdog:
     """Start this process's watchdog (or set the running one's timeout) and mark the probe as needed.
 
-    The caller instruments its plugin manager with :func:`microspeed.trace.instrument`.
+    The caller instruments its plugin manager with :func:`microspeed.observe.trace.instrument`.
     """
     global _current
     if _current is not None and not _current._stopped.is_set():

@@ -1,4 +1,4 @@
-"""``microspeed trace``: read the per-rank trace files (:mod:`microspeed.trace`), summarise, export.
+"""``microspeed trace``: read the per-rank trace files (:mod:`microspeed.observe.trace`), summarise, export.
 
 * ``microspeed trace summary DIR`` prints, per rank, each hook's calls, total and mean time, the
   same per plugin within the hook, exceptions, the collectives (calls, bytes, time), steps, the

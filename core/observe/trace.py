@@ -13,7 +13,7 @@ When on, the process-wide :data:`probe`:
   calls (``PluginManager.add_chain_listener``);
 * observes every collective of :mod:`microspeed.comm` (:class:`microspeed.comm.CollectiveObserver`);
 * keeps, per thread, the stack of hook calls and collectives in progress: what the watchdog
-  (:mod:`microspeed.watchdog`) reads to say where a rank hangs.
+  (:mod:`microspeed.observe.watchdog`) reads to say where a rank hangs.
 
 The :class:`Tracer` writes the events through a structlog logger of its own (``wrap_logger`` with
 a JSON renderer; structlog's global configuration is never touched) to ``<dir>/rank<N>.jsonl``,
@@ -37,14 +37,14 @@ start) and ``wall`` (epoch seconds at its start). The events:
 * ``step``: one per optimizer step, at ``after_global_step``: ``dur_ns`` from the step's first
   ``before_forward``, ``samples``, ``skipped``, ``comm_bytes`` and ``wire_bytes`` (payload and
   bytes sent over the network by :mod:`microspeed.comm` collectives since the previous step event);
-* ``watchdog``: what the watchdog found (see :mod:`microspeed.watchdog`).
+* ``watchdog``: what the watchdog found (see :mod:`microspeed.observe.watchdog`).
 
 Times are the host's: on CUDA a collective's duration is its launch (NCCL returns at once) unless
 the comms logger is on, which synchronizes the device around observed collectives, as DeepSpeed's
 does; on CPU (gloo) an asynchronous op's completion is taken from its work's future.
 
 ``microspeed trace summary DIR`` and ``microspeed trace export DIR -o trace.json`` read them
-(:mod:`microspeed.trace_cli`).
+(:mod:`microspeed.cli.trace`).
 """
 
 from __future__ import annotations

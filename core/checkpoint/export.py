@@ -49,7 +49,7 @@ from microspeed.checkpoint import (
     read_tensor_index,
     resolve_tag_dir,
 )
-from microspeed.checkpoint_manifest import join
+from microspeed.checkpoint.manifest import join
 
 __all__ = ["DEEPSPEED_VERSION", "export_deepspeed", "read_microspeed"]
 

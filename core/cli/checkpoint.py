@@ -30,7 +30,7 @@ def _consolidate(opts: argparse.Namespace) -> int:
 
 
 def _import_deepspeed(opts: argparse.Namespace) -> int:
-    from microspeed.checkpoint_deepspeed import import_deepspeed
+    from microspeed.checkpoint.deepspeed_format import import_deepspeed
 
     report = import_deepspeed(opts.ds_dir, opts.out_dir, tag=opts.tag)
     print(report)
@@ -38,7 +38,7 @@ def _import_deepspeed(opts: argparse.Namespace) -> int:
 
 
 def _export_deepspeed(opts: argparse.Namespace) -> int:
-    from microspeed.checkpoint_export import export_deepspeed
+    from microspeed.checkpoint.export import export_deepspeed
 
     print(export_deepspeed(opts.ckpt_dir, opts.out_dir, tag=opts.tag, zero_stage=opts.zero_stage,
                            world_size=opts.world_size))

@@ -1,0 +1,1 @@
+"""DeepSpeed compatibility: accelerator API, config key table, config object, tensor helpers, the stand-in."""

@@ -1,0 +1,1 @@
+"""Seeing what the runtime did: hook-call tracing, the hang watchdog, comms accounting."""
