@@ -17,8 +17,8 @@ from typing import Any
 
 from microspeed import namespaces as _namespaces
 from microspeed.bootstrap import initialize
-from microspeed.builtin.dataloader import RepeatingLoader
 from microspeed.comm import init_distributed
+from microspeed.data import RepeatingLoader
 from microspeed.engine import Engine, StepContext
 from microspeed.errors import ConfigError, MissingPluginError, PluginError
 from microspeed.hookspecs import StepOutcome, hookimpl, hookspec

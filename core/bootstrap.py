@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 
 from microspeed import comm
+from microspeed.capabilities import Capabilities
 from microspeed.config import Config, load_raw, merge_schema, parse, resolve_batch_triad
 from microspeed.engine import Engine
 from microspeed.errors import ConfigError, PluginError
@@ -73,21 +74,27 @@ def initialize(
     # after every phase, so an error raised on one rank is raised on all before the next one.
     world_size = comm.get_world_size()
 
+    capabilities = Capabilities()
+
     def configure() -> Topology:
-        topology = pm.hook.microspeed_make_topology(config=cfg, world_size=world_size, mpu=mpu, model=model)
+        topology = pm.answered("microspeed_make_topology", pm.hook.microspeed_make_topology(
+            config=cfg, world_size=world_size, mpu=mpu, model=model))
         resolve_batch_triad(cfg, topology.data_parallel_size)
         pm.hook.microspeed_configure(config=cfg, world_size=world_size)
-        _check_conflicts(pm, cfg)
+        for name, answers in pm.call_each("microspeed_capabilities", config=cfg):
+            for capability in (c for answer in answers for c in answer or []):
+                capabilities.provide(capability, name)
+        _check_conflicts(pm, cfg, capabilities)
         return topology
 
-    engine = Engine(pm, cfg, _agreed(configure), model)
+    engine = Engine(pm, cfg, _agreed(configure), model, capabilities)
 
     def setup() -> None:
         pm.hook.microspeed_setup(engine=engine)
         engine.install_api(pm.hook.microspeed_engine_api(engine=engine))
 
     _agreed(setup)
-    engine.module = _agreed(lambda: pm.call_chain("microspeed_transform_model", "model", model, engine=engine))
+    engine.module = _agreed(lambda: pm.hook.microspeed_transform_model(engine=engine, model=model))
     _agreed(lambda: pm.hook.microspeed_after_model_ready(engine=engine, model=engine.module))
 
     def optimize() -> None:
@@ -96,15 +103,14 @@ def initialize(
         ]
         engine.optimizer = _build_optimizer(pm, engine, cfg, optimizer, params)
         if engine.optimizer is not None:
-            engine.optimizer = pm.call_chain("microspeed_wrap_optimizer", "optimizer", engine.optimizer,
-                                             engine=engine)
+            engine.optimizer = pm.hook.microspeed_wrap_optimizer(engine=engine, optimizer=engine.optimizer)
         engine.lr_scheduler = _build_scheduler(pm, engine, cfg, lr_scheduler)
         if training_data is not None:
-            engine.training_dataloader = pm.hook.microspeed_make_dataloader(
-                engine=engine, dataset=training_data, collate_fn=collate_fn
-            )
+            engine.training_dataloader = pm.answered("microspeed_make_dataloader", pm.hook.microspeed_make_dataloader(
+                engine=engine, dataset=training_data, collate_fn=collate_fn))
 
     _agreed(optimize)
+    engine.grad_norm.prepare()
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -202,11 +208,12 @@ def _check_ranks_agree(pm: PluginManager, cfg: Config | None, error: Exception |
                           + ". Install the same plugins and pass the same config on every rank.")
 
 
-def _check_conflicts(pm: PluginManager, cfg: Config) -> None:
-    for impl in pm.impls_in_call_order("microspeed_conflicts"):
-        for key, reason in impl.function(config=cfg) or []:
-            if cfg.is_set(key):
-                raise ConfigError(f"{key}: cannot be combined with the plugin {impl.plugin_name!r}: {reason}")
+def _check_conflicts(pm: PluginManager, cfg: Config, capabilities: Capabilities) -> None:
+    for name, answers in pm.call_each("microspeed_conflicts", config=cfg, capabilities=capabilities):
+        for answer in answers:
+            for key, reason in answer or []:
+                if cfg.is_set(key):
+                    raise ConfigError(f"{key}: cannot be combined with the plugin {name!r}: {reason}")
 
 
 def _build_optimizer(pm: PluginManager, engine: Engine, cfg: Config, client: Any, params: list[Any]) -> Any:
@@ -216,7 +223,8 @@ def _build_optimizer(pm: PluginManager, engine: Engine, cfg: Config, client: Any
     if client is None:
         if not cfg.is_set("optimizer"):
             return None
-        return pm.hook.microspeed_make_optimizer(engine=engine, params=params, config=cfg)
+        return pm.answered("microspeed_make_optimizer",
+                           pm.hook.microspeed_make_optimizer(engine=engine, params=params, config=cfg))
     if isinstance(client, torch.optim.Optimizer):
         return client
     if callable(client):
@@ -234,7 +242,8 @@ def _build_scheduler(pm: PluginManager, engine: Engine, cfg: Config, client: Any
             return None
         if engine.optimizer is None:
             raise ConfigError("scheduler: a scheduler needs an optimizer; add an 'optimizer' section.")
-        return pm.hook.microspeed_make_scheduler(engine=engine, optimizer=engine.optimizer, config=cfg)
+        return pm.answered("microspeed_make_scheduler",
+                           pm.hook.microspeed_make_scheduler(engine=engine, optimizer=engine.optimizer, config=cfg))
     if hasattr(client, "step") and not isinstance(client, type):
         return client
     if callable(client):

@@ -14,8 +14,11 @@ from typing import Any
 
 import torch
 
+from microspeed.capabilities import Capabilities, Role
 from microspeed.config import Config
+from microspeed.data import RepeatingLoader
 from microspeed.errors import ConfigError, EngineUsageError
+from microspeed.gradients import GradNorm
 from microspeed.hookspecs import StepOutcome
 from microspeed.plugins import PluginManager
 from microspeed.topology import Topology
@@ -47,7 +50,8 @@ class Engine(torch.nn.Module):
     module, as DeepSpeed's engine does.
     """
 
-    def __init__(self, plugins: PluginManager, config: Config, topology: Topology, model: torch.nn.Module):
+    def __init__(self, plugins: PluginManager, config: Config, topology: Topology, model: torch.nn.Module,
+                 capabilities: Capabilities | None = None):
         super().__init__()
         self.module = model
         self.plugins = plugins
@@ -64,7 +68,11 @@ class Engine(torch.nn.Module):
         self.metrics: dict[str, Any] = {}
         self.ctx = StepContext()
         self._plugin_state: dict[str, Any] = {}
-        self._owners: dict[str, str] = {}
+        self._owners: dict[Role, str] = {}
+        self.capabilities = capabilities if capabilities is not None else Capabilities()
+        """What the plugins stated about themselves (:mod:`microspeed.capabilities`)."""
+        self.grad_norm = GradNorm(self)
+        """The one global-gradient-norm mechanism (:mod:`microspeed.gradients`)."""
         self._last_outcome = StepOutcome(applied=False)
         self._inside_no_sync = False
         self._params: tuple[torch.nn.Module, list[torch.nn.Parameter]] | None = None
@@ -82,33 +90,35 @@ class Engine(torch.nn.Module):
         """The state object a plugin attached under ``name`` (``default`` if none)."""
         return self._plugin_state.get(name, default)
 
-    def claim(self, role: str, plugin: str) -> None:
-        """Record that ``plugin`` takes over ``role`` (see :data:`microspeed.hookspecs.ROLES`).
+    def claim(self, role: Role | str, plugin: str) -> None:
+        """Record that ``plugin`` takes over ``role`` (a :class:`~microspeed.capabilities.Role`; else PluginError).
 
         Plugins claim in ``microspeed_setup`` (or later, for part of a run, handing the role back
         with :meth:`release`); a default implementation of the role stands down
         when :meth:`owner` names another plugin. Two plugins claiming one role is a
         :class:`ConfigError` naming both.
         """
+        role = Role.parse(role)
         holder = self._owners.get(role)
         if holder is not None and holder != plugin:
-            raise ConfigError(f"plugins {holder!r} and {plugin!r} both take over {role!r}; disable one of them "
+            raise ConfigError(f"plugins {holder!r} and {plugin!r} both take over {role.value!r}; disable one of them "
                               f"(\"plugins\": {{\"disable\": [...]}}) or turn off its config section.")
         self._owners[role] = plugin
 
-    def release(self, role: str, plugin: str) -> None:
+    def release(self, role: Role | str, plugin: str) -> None:
         """``plugin`` hands ``role`` back to the built-in default (a no-op if it does not hold it).
 
         A plugin may take a role over for part of a run only: the 1-bit optimizers reduce
         gradients themselves after their warm-up and hand reduction back when a checkpoint of
         the warm-up stage is loaded. Defaults read :meth:`owner` each step, not only at set-up.
         """
+        role = Role.parse(role)
         if self._owners.get(role) == plugin:
             del self._owners[role]
 
-    def owner(self, role: str) -> str | None:
+    def owner(self, role: Role | str) -> str | None:
         """The plugin that claimed ``role``, or ``None`` when the built-in default does it."""
-        return self._owners.get(role)
+        return self._owners.get(Role.parse(role))
 
     # -- batch triad & counters ----------------------------------------------------------
 
@@ -190,11 +200,12 @@ class Engine(torch.nn.Module):
         ctx.reduce = ctx.boundary and allreduce_gradients and not self._inside_no_sync
         with self._phase("backward"):
             self.hook.microspeed_before_backward(engine=self, ctx=ctx)
-            scaled = self.plugins.call_chain("microspeed_scale_loss", "loss", loss, engine=self)
-            self.hook.microspeed_backward(engine=self, loss=scaled, retain_graph=retain_graph)
+            scaled = self.hook.microspeed_scale_loss(engine=self, loss=loss)
+            self.plugins.answered("microspeed_backward",
+                                  self.hook.microspeed_backward(engine=self, loss=scaled, retain_graph=retain_graph))
             self.hook.microspeed_after_backward(engine=self, ctx=ctx)
             if ctx.reduce:
-                self.hook.microspeed_reduce_gradients(engine=self)
+                self.plugins.answered("microspeed_reduce_gradients", self.hook.microspeed_reduce_gradients(engine=self))
         gas = self.gradient_accumulation_steps()
         return loss / gas if scale_wrt_gas and gas > 1 else loss
 
@@ -209,7 +220,8 @@ class Engine(torch.nn.Module):
                                   "or initialize(optimizer=...).")
             with self._phase("step"):
                 self.hook.microspeed_before_step(engine=self)
-                outcome = self.hook.microspeed_optimizer_step(engine=self)
+                outcome = self.plugins.answered("microspeed_optimizer_step",
+                                                self.hook.microspeed_optimizer_step(engine=self))
                 if outcome.applied:
                     if self.lr_scheduler is not None:
                         self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -231,7 +243,8 @@ class Engine(torch.nn.Module):
         contract). Who runs the batch is the hook ``microspeed_train_batch``.
         """
         with self._phase("train_batch"):
-            return self.hook.microspeed_train_batch(engine=self, data_iter=self._data_iter(data_iter))
+            answer = self.hook.microspeed_train_batch(engine=self, data_iter=self._data_iter(data_iter))
+            return self.plugins.answered("microspeed_train_batch", answer)
 
     def eval_batch(self, data_iter: Any, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str | None = "avg", bcast_loss: bool = True,
@@ -242,10 +255,10 @@ class Engine(torch.nn.Module):
         outputs)`` with ``return_logits``. No gradients, no optimizer step.
         """
         with self._phase("eval_batch"):
-            return self.hook.microspeed_eval_batch(engine=self, data_iter=self._data_iter(data_iter),
-                                                   return_logits=return_logits, compute_loss=compute_loss,
-                                                   reduce_output=reduce_output, bcast_loss=bcast_loss,
-                                                   num_micro_batches=num_micro_batches)
+            return self.plugins.answered("microspeed_eval_batch", self.hook.microspeed_eval_batch(
+                engine=self, data_iter=self._data_iter(data_iter), return_logits=return_logits,
+                compute_loss=compute_loss, reduce_output=reduce_output, bcast_loss=bcast_loss,
+                num_micro_batches=num_micro_batches))
 
     def set_dataiterator(self, iterator: Any) -> None:
         """The iterator :meth:`train_batch` draws from when called without one."""
@@ -259,8 +272,6 @@ class Engine(torch.nn.Module):
                 raise ValueError("train_batch()/eval_batch(): no data_iter given and the engine has no training "
                                  "data; pass data_iter=..., call engine.set_dataiterator(...), or "
                                  "initialize(training_data=...).")
-            from microspeed.builtin.dataloader import RepeatingLoader
-
             self._data_iterator = iter(RepeatingLoader(self.training_dataloader))
         return self._data_iterator
 
@@ -341,7 +352,7 @@ class Engine(torch.nn.Module):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r} (neither the engine, its "
                              f"plugins nor the wrapped model {type(module).__name__} define it)") from None
 
-    # -- checkpoints (the work is in microspeed.checkpoint) ---------------------------------
+    # -- checkpoints (who does it: the built-in ``checkpointing``, see microspeed.checkpoint) ---
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
@@ -352,10 +363,9 @@ class Engine(torch.nn.Module):
         ``torch.distributed.checkpoint``; see :mod:`microspeed.checkpoint`. ``exclude_frozen_parameters``
         leaves out parameters with ``requires_grad=False`` (Lightning always passes it).
         """
-        from microspeed import checkpoint
-
-        return checkpoint.save(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
-                               exclude_frozen_parameters=exclude_frozen_parameters)
+        return self.plugins.answered("microspeed_save_checkpoint", self.hook.microspeed_save_checkpoint(
+            engine=self, save_dir=save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters))
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -366,12 +376,10 @@ class Engine(torch.nn.Module):
         Random-number state is left alone, as DeepSpeed does, unless ``load_rng_state=True``
         (each rank then continues the Python, numpy and torch streams it saved).
         """
-        from microspeed import checkpoint
-
-        return checkpoint.load(self, load_dir, tag=tag, load_module_strict=load_module_strict,
-                               load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                               load_rng_state=load_rng_state)
+        return self.plugins.answered("microspeed_load_checkpoint", self.hook.microspeed_load_checkpoint(
+            engine=self, load_dir=load_dir, tag=tag, load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only, load_rng_state=load_rng_state))
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -379,7 +387,6 @@ class Engine(torch.nn.Module):
 
         ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
         """
-        from microspeed import checkpoint
-
-        return checkpoint.save_16bit_model(self, save_dir, save_filename=save_filename,
-                                           exclude_frozen_parameters=exclude_frozen_parameters)
+        return self.plugins.answered("microspeed_save_16bit_model", self.hook.microspeed_save_16bit_model(
+            engine=self, save_dir=save_dir, save_filename=save_filename,
+            exclude_frozen_parameters=exclude_frozen_parameters))

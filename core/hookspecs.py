@@ -8,9 +8,16 @@ Three kinds, as pytest uses pluggy:
   a default answer as a built-in ``trylast`` plugin; a feature plugin answers first when enabled;
 * **notifications** return nothing (their return value is ignored).
 
-A few setup hooks are *chains*: the core calls each implementation in pluggy's call order and
-passes the previous implementation's result on (``None`` means "unchanged"). Chains are marked
-below; they are called through :meth:`microspeed.plugins.PluginManager.call_chain`.
+A few hooks are *chains* (:data:`CHAINS`): each implementation gets the previous one's result as
+its value argument (``None`` means "unchanged") and the call returns the last value. Chains are
+ordinary pluggy hooks — the plugin manager runs them through pluggy's own call loop — so hook
+wrappers (``wrapper=True``, which see the final value and may replace it) and tracing see them
+as any other hook.
+
+"Who does it" hooks the lifecycle cannot do without are *required* (:data:`REQUIRED`): at load a
+required hook nobody implements is refused (naming the disabled built-in that answered it), and
+at call time an unanswered one raises :class:`microspeed.PluginError` naming the hook, the plugins
+asked and how to get an answer — never a silent no-op.
 
 Implementations may accept any subset of a hook's arguments, by name (pluggy's rule).
 
@@ -28,7 +35,9 @@ accumulation boundary; ``engine.step()`` between boundaries only counts the micr
 ``firstresult`` race — when a plugin takes it over (autograd hooks installed at set-up, master
 weights built in ``wrap_optimizer``). A plugin takes a role with ``engine.claim(role, name)`` in
 :func:`microspeed_setup`, or later for part of a run and hands it back with ``engine.release(role,
-name)``; defaults check ``engine.owner(role)``. The roles are :data:`ROLES`.
+name)``; defaults check ``engine.owner(role)``. The roles are :class:`microspeed.capabilities.Role`;
+what plugins state about themselves for others to ask are capabilities
+(:mod:`microspeed.capabilities`, hook :func:`microspeed_capabilities`).
 """
 
 from __future__ import annotations
@@ -40,22 +49,42 @@ import pluggy
 if TYPE_CHECKING:
     import torch
 
+    from microspeed.capabilities import Capabilities, Capability
     from microspeed.config import Config, Section
     from microspeed.engine import Engine, StepContext
+    from microspeed.gradients import NormRule
     from microspeed.topology import Topology
 
 PROJECT = "microspeed"
 
-ROLES = {
-    "gradient_reduction": "averaging gradients across the data-parallel group (default: data_parallel)",
-    "optimizer_step": "master weights, overflow checks and stepping the optimizer (default: mixed_precision "
-                      "for fp16/bf16, else optimizers)",
-    "parameters": "where the model's parameters live between uses (default: on the device, whole)",
-}
-"""Roles a plugin can take over with :meth:`microspeed.engine.Engine.claim`: name -> what it covers."""
-
 hookspec = pluggy.HookspecMarker(PROJECT)
 """Marker for hook specifications (used only in this module and by plugins adding hooks)."""
+
+CHAINS: dict[str, str] = {}
+"""Chain hooks: ``hook name -> the argument that carries the value from one implementation to the next``."""
+
+REQUIRED: dict[str, str] = {}
+"""Required "who does it" hooks: ``hook name -> when it is called`` (an unanswered call is an error)."""
+
+
+def chain(value_arg: str) -> Any:
+    """Mark a hookspec as a chain whose value travels in ``value_arg`` (see :data:`CHAINS`)."""
+
+    def mark(fn: Any) -> Any:
+        CHAINS[fn.__name__] = value_arg
+        return fn
+
+    return mark
+
+
+def required(when: str) -> Any:
+    """Mark a ``firstresult`` hookspec as required; ``when`` says when the engine calls it (see :data:`REQUIRED`)."""
+
+    def mark(fn: Any) -> Any:
+        REQUIRED[fn.__name__] = when
+        return fn
+
+    return mark
 
 hookimpl = pluggy.HookimplMarker(PROJECT)
 """Marker for hook implementations: ``@microspeed.hookimpl`` on a plugin's method or function."""
@@ -94,15 +123,27 @@ def microspeed_configure(config: Config, world_size: int) -> None:
 
 
 @hookspec
-def microspeed_conflicts(config: Config) -> list[tuple[str, str]] | None:
+def microspeed_capabilities(config: Config) -> list[Capability] | None:
+    """Collected: the typed capabilities this active plugin provides (:mod:`microspeed.capabilities`).
+
+    Fires once per engine right after :func:`microspeed_configure`. Every later hook (starting with
+    :func:`microspeed_conflicts`) can ask ``capabilities.get(Kind)`` / ``engine.capabilities.get(Kind)``
+    instead of reading another plugin's config section. Two plugins providing one kind is an error.
+    """
+
+
+@hookspec
+def microspeed_conflicts(config: Config, capabilities: Capabilities) -> list[tuple[str, str]] | None:
     """Declare what this active plugin cannot be combined with.
 
     Return a list of ``(config_key, reason)`` pairs: if ``config_key`` (a dotted path) is set in
     the config, ``initialize()`` refuses with a message naming this plugin, the key and the
-    reason. Collected from every plugin.
+    reason. ``capabilities`` holds what the other plugins provide (a key to name comes with the
+    capability, e.g. :attr:`GradientPartitioning.config_key`). Collected from every plugin.
     """
 
 
+@required("always, at initialize()")
 @hookspec(firstresult=True)
 def microspeed_make_topology(config: Config, world_size: int, mpu: Any, model: torch.nn.Module) -> Topology | None:
     """Build the process topology (which ranks form the data-parallel group, and so on).
@@ -124,6 +165,7 @@ def microspeed_setup(engine: Engine) -> None:
     """
 
 
+@chain("model")
 @hookspec
 def microspeed_transform_model(engine: Engine, model: torch.nn.Module) -> torch.nn.Module | None:
     """Chain: wrap, cast or modify the model; return the new model or ``None`` for unchanged.
@@ -155,6 +197,7 @@ def microspeed_engine_api(engine: Engine) -> dict[str, Any] | None:
     """
 
 
+@required("when the config has an 'optimizer' section")
 @hookspec(firstresult=True)
 def microspeed_make_optimizer(engine: Engine, params: list[Any], config: Config) -> Any | None:
     """Who builds the optimizer from the ds_config ``optimizer`` section.
@@ -164,6 +207,7 @@ def microspeed_make_optimizer(engine: Engine, params: list[Any], config: Config)
     """
 
 
+@chain("optimizer")
 @hookspec
 def microspeed_wrap_optimizer(engine: Engine, optimizer: Any) -> Any | None:
     """Chain: adjust or wrap the optimizer (for example swap in fp32 master parameters).
@@ -172,6 +216,7 @@ def microspeed_wrap_optimizer(engine: Engine, optimizer: Any) -> Any | None:
     """
 
 
+@required("when the config has a 'scheduler' section")
 @hookspec(firstresult=True)
 def microspeed_make_scheduler(engine: Engine, optimizer: Any, config: Config) -> Any | None:
     """Who builds the LR scheduler from the ds_config ``scheduler`` section (``None``: none).
@@ -180,6 +225,7 @@ def microspeed_make_scheduler(engine: Engine, optimizer: Any, config: Config) ->
     """
 
 
+@required("when initialize() is given training_data")
 @hookspec(firstresult=True)
 def microspeed_make_dataloader(engine: Engine, dataset: Any, collate_fn: Any) -> Any | None:
     """Who turns ``training_data`` into the training data loader."""
@@ -220,6 +266,7 @@ def microspeed_before_backward(engine: Engine, ctx: StepContext) -> None:
     """
 
 
+@chain("loss")
 @hookspec
 def microspeed_scale_loss(engine: Engine, loss: torch.Tensor) -> torch.Tensor | None:
     """Chain: scale the loss before backward (gradient accumulation, fp16 loss scale).
@@ -228,6 +275,7 @@ def microspeed_scale_loss(engine: Engine, loss: torch.Tensor) -> torch.Tensor | 
     """
 
 
+@required("on every engine.backward()")
 @hookspec(firstresult=True)
 def microspeed_backward(engine: Engine, loss: torch.Tensor, retain_graph: bool) -> bool | None:
     """Who runs the backward pass on the (scaled) loss. Return ``True`` when done."""
@@ -248,6 +296,7 @@ def microspeed_gradient_buffers(engine: Engine) -> list[torch.Tensor] | None:
     """
 
 
+@required("at the accumulation boundary, when gradients are reduced")
 @hookspec(firstresult=True)
 def microspeed_reduce_gradients(engine: Engine) -> bool | None:
     """Who reduces gradients across the data-parallel group at the accumulation boundary.
@@ -261,6 +310,7 @@ def microspeed_reduce_gradients(engine: Engine) -> bool | None:
 # ------------------------------------------------------------------------------- whole batch
 
 
+@required("on engine.train_batch()")
 @hookspec(firstresult=True)
 def microspeed_train_batch(engine: Engine, data_iter: Any) -> torch.Tensor | None:
     """Who runs one training batch: ``gradient_accumulation_steps`` micro-batches and the step.
@@ -272,6 +322,7 @@ def microspeed_train_batch(engine: Engine, data_iter: Any) -> torch.Tensor | Non
     """
 
 
+@required("on engine.eval_batch()")
 @hookspec(firstresult=True)
 def microspeed_eval_batch(engine: Engine, data_iter: Any, return_logits: bool, compute_loss: bool,
                           reduce_output: str | None, bcast_loss: bool, num_micro_batches: int | None) -> Any:
@@ -291,6 +342,7 @@ def microspeed_before_step(engine: Engine) -> None:
     """Notification: the accumulation boundary was reached; the optimizer is about to step."""
 
 
+@required("at the accumulation boundary, in engine.step()")
 @hookspec(firstresult=True)
 def microspeed_optimizer_step(engine: Engine) -> StepOutcome | None:
     """Who steps the optimizer. Returns a :class:`StepOutcome` (applied or skipped, grad norm).
@@ -301,12 +353,25 @@ def microspeed_optimizer_step(engine: Engine) -> StepOutcome | None:
     """
 
 
+@required("when the optimizer step measures the gradient norm")
 @hookspec(firstresult=True)
 def microspeed_clip_gradients(engine: Engine, grads: list[torch.Tensor]) -> torch.Tensor | None:
     """Who computes the global gradient norm over ``grads`` and clips them in place.
 
     ``grads`` are unscaled. Returns the total norm before clipping (a 0-d tensor). The default
-    reads ``gradient_clipping`` from the config (0 = measure only).
+    reads ``gradient_clipping`` from the config (0 = measure only) and measures with the kernel's
+    one norm (``engine.grad_norm``, which applies every plugin's :func:`microspeed_grad_norm_rules`).
+    """
+
+
+@hookspec
+def microspeed_grad_norm_rules(engine: Engine) -> dict[str, NormRule] | None:
+    """Collected: how this plugin's parameters count in the global gradient norm, ``{fqn: NormRule}``.
+
+    Asked once per engine, at the first norm (:mod:`microspeed.gradients`). Name only parameters that
+    differ from the default (every gradient's squares summed over the topology's model-parallel
+    group): ``NormRule(skip=True)`` for a copy another rank counts, ``NormRule(groups=(g,))`` for
+    squares also summed over ``g``. The kernel sums once and clips once.
     """
 
 
@@ -324,6 +389,38 @@ def microspeed_after_global_step(engine: Engine) -> None:
 
 
 # -------------------------------------------------------------------------------- checkpoint
+
+
+@required("on engine.save_checkpoint()")
+@hookspec(firstresult=True)
+def microspeed_save_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict | None,
+                               save_latest: bool, exclude_frozen_parameters: bool) -> bool | None:
+    """Who writes a checkpoint of ``engine`` (``engine.save_checkpoint``'s arguments); return ``True``.
+
+    Default: the built-in ``checkpointing`` (:func:`microspeed.checkpoint.save`: DCP shards + a msgpack
+    manifest), which fires the checkpoint notifications and collects every plugin's state.
+    """
+
+
+@required("on engine.load_checkpoint()")
+@hookspec(firstresult=True)
+def microspeed_load_checkpoint(engine: Engine, load_dir: str, tag: str | None, load_module_strict: bool,
+                               load_optimizer_states: bool, load_lr_scheduler_states: bool,
+                               load_module_only: bool, load_rng_state: bool) -> tuple[str | None, dict] | None:
+    """Who reads a checkpoint into ``engine``; returns ``(path, client_state)`` (``(None, {})``: none found).
+
+    Default: the built-in ``checkpointing`` (:func:`microspeed.checkpoint.load`, any world size).
+    """
+
+
+@required("on engine.save_16bit_model()")
+@hookspec(firstresult=True)
+def microspeed_save_16bit_model(engine: Engine, save_dir: str, save_filename: str,
+                                exclude_frozen_parameters: bool) -> bool | None:
+    """Who writes the module's whole state dict (training dtype) for ``engine.save_16bit_model``; a bool.
+
+    Default: the built-in ``checkpointing`` (:func:`microspeed.checkpoint.save_16bit_model`).
+    """
 
 
 @hookspec
@@ -378,6 +475,7 @@ def microspeed_checkpoint_placements(engine: Engine) -> dict[str, Any] | None:
     """
 
 
+@required("when a checkpoint with an optimizer is saved")
 @hookspec(firstresult=True)
 def microspeed_save_optimizer_state(engine: Engine, tensors: dict[str, Any]) -> dict[str, Any] | None:
     """Who writes the optimizer into a checkpoint.
@@ -389,6 +487,7 @@ def microspeed_save_optimizer_state(engine: Engine, tensors: dict[str, Any]) -> 
     """
 
 
+@required("when a checkpoint is loaded into an engine with an optimizer")
 @hookspec(firstresult=True)
 def microspeed_load_optimizer_state(engine: Engine, saved: dict[str, Any] | None, reader: Any, load_states: bool,
                                     strict: bool, after: list[Any]) -> bool | None:

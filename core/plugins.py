@@ -1,4 +1,4 @@
-"""The plugin manager: built-ins, entry-point discovery, enable/disable, chains, cross-rank checks.
+"""The plugin manager: built-ins, entry-point discovery, enable/disable, checked hook names, chains.
 
 Discovery follows pytest's rules:
 
@@ -10,10 +10,18 @@ Discovery follows pytest's rules:
 
 An entry point names a module, an object, or a class. A class is instantiated once per engine
 (the way to keep per-engine state); a module or object is registered as it is.
+
+What pytest enforces, the manager enforces too: a plugin implementing a ``microspeed_*`` hook that
+does not exist is refused when it registers (naming the closest hook); a required hook
+(:data:`microspeed.hookspecs.REQUIRED`) that no registered plugin implements is refused once all
+are loaded (naming the disabled built-in that answered it); and :meth:`PluginManager.answered`
+turns an unanswered required call into a :class:`PluginError`. Chain hooks
+(:data:`microspeed.hookspecs.CHAINS`) run through pluggy's own call loop (see :meth:`_exec`).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -22,6 +30,7 @@ from importlib import metadata
 from typing import Any
 
 import pluggy
+from pluggy._callers import _multicall
 
 from microspeed import hookspecs
 from microspeed.errors import PluginError
@@ -47,6 +56,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "watchdog": "microspeed.builtin.watchdog_plugin:WatchdogPlugin",
     "monitor": "microspeed.builtin.monitor:MonitorPlugin",
     "deepspeed_api": "microspeed.builtin.deepspeed_api:DeepSpeedApiPlugin",
+    "checkpointing": "microspeed.builtin.checkpointing:CheckpointingPlugin",
 }
 
 
@@ -75,14 +85,69 @@ class PluginInfo:
         return (self.name, self.version)
 
 
+class _ChainLink:
+    """One implementation of a chain hook as pluggy's call loop sees it: it passes its result on.
+
+    pluggy reads an implementation's arguments from the call's keyword mapping just before calling it;
+    the link writes a non-``None`` result back into that mapping, so the next implementation receives
+    it, and returns ``None`` so that the loop goes on.
+    """
+
+    __slots__ = ("impl", "kwargs", "value_arg", "argnames", "kwargnames", "plugin", "plugin_name", "opts",
+                 "hookwrapper", "wrapper", "optionalhook", "tryfirst", "trylast")
+
+    def __init__(self, impl: pluggy.HookImpl, kwargs: dict[str, Any], value_arg: str) -> None:
+        self.impl, self.kwargs, self.value_arg = impl, kwargs, value_arg
+        self.argnames, self.kwargnames = impl.argnames, impl.kwargnames
+        self.plugin, self.plugin_name, self.opts = impl.plugin, impl.plugin_name, impl.opts
+        self.hookwrapper = self.wrapper = False
+        self.optionalhook, self.tryfirst, self.trylast = impl.optionalhook, impl.tryfirst, impl.trylast
+
+    def function(self, *args: Any) -> None:
+        """Call the implementation (its current function: tracing may time it) and pass the value on."""
+        result = self.impl.function(*args)
+        if result is not None:
+            self.kwargs[self.value_arg] = result
+
+
+class _ChainEnd:
+    """Called last in a chain: returns the chain's value, which hook wrappers then receive."""
+
+    __slots__ = ("kwargs", "value_arg")
+    argnames: tuple[str, ...] = ()
+    kwargnames: tuple[str, ...] = ()
+    hookwrapper = wrapper = False
+    plugin_name = "<chain>"
+
+    def __init__(self, kwargs: dict[str, Any], value_arg: str) -> None:
+        self.kwargs, self.value_arg = kwargs, value_arg
+
+    def function(self) -> Any:
+        """The value after the last implementation."""
+        return self.kwargs[self.value_arg]
+
+
 class PluginManager(pluggy.PluginManager):
-    """pluggy's manager with microspeed's hookspecs, discovery rules and chain calls."""
+    """pluggy's manager with microspeed's hookspecs, discovery rules, checked names and chains."""
 
     def __init__(self) -> None:
         super().__init__(hookspecs.PROJECT)
         self.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
-        self._chain_listeners: list[Any] = []
+        self.disabled: set[str] = set()
+        self._inner_hookexec = self._exec  # monitoring (tracing) wraps this, so it sees chains too
+
+    @staticmethod
+    def _exec(hook_name: str, hook_impls: Any, kwargs: Any, firstresult: bool) -> Any:
+        """pluggy's call loop; a chain hook runs in it with its implementations linked (see :class:`_ChainLink`)."""
+        value_arg = hookspecs.CHAINS.get(hook_name)
+        if value_arg is None:
+            return _multicall(hook_name, hook_impls, kwargs, firstresult)
+        live = dict(kwargs)
+        impls = [impl if impl.wrapper or impl.hookwrapper else _ChainLink(impl, live, value_arg)
+                 for impl in hook_impls]
+        impls.insert(0, _ChainEnd(live, value_arg))  # pluggy calls the list backwards: this one comes last
+        return _multicall(hook_name, impls, live, True)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -95,6 +160,17 @@ class PluginManager(pluggy.PluginManager):
             self.register(instance, name=name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name!r} ({source}) does not fit the hook specs: {exc}") from exc
+        unknown = sorted(c.name for c in self.get_hookcallers(instance) or [] if c.spec is None)
+        if unknown:
+            self.unregister(instance)
+            known = all_hook_names()
+            hints = []
+            for hook in unknown:
+                close = difflib.get_close_matches(hook, known, n=1, cutoff=0.6)
+                hints.append(f"{hook} (did you mean {close[0]}?)" if close else f"{hook} (no hook is close)")
+            raise PluginError(f"plugin {name!r} ({source}) implements hooks that do not exist: {'; '.join(hints)}. "
+                              f"Rename them; every hook is listed in microspeed.hookspecs (and by "
+                              f"`microspeed hooks`).")
         self.infos[name] = PluginInfo(name, version, source, instance)
         return instance
 
@@ -106,6 +182,7 @@ class PluginManager(pluggy.PluginManager):
         from microspeed import __version__
 
         disabled = set(disabled)
+        self.disabled = disabled
         for name, target in BUILTIN_PLUGINS.items():
             if name not in disabled:
                 self.register_plugin(_load_object(target), name, __version__, f"builtin {target}")
@@ -126,6 +203,40 @@ class PluginManager(pluggy.PluginManager):
         for name, plugin in extra:
             if name not in disabled:
                 self.register_plugin(plugin, name, "", "passed to initialize(plugins=...)")
+        self.check_required()
+
+    def check_required(self) -> None:
+        """Refuse a set of plugins that leaves a required hook without any implementation.
+
+        As pytest refuses to disable its essential plugins: the error names the hook, the disabled
+        built-in that implements it, and the fix.
+        """
+        missing = [hook for hook in hookspecs.REQUIRED if not self._answerers(hook)]
+        if missing:
+            raise PluginError("; ".join(self._no_answer(hook, asked=[]) for hook in missing))
+
+    def _answerers(self, hook_name: str) -> list[str]:
+        caller = getattr(self.hook, hook_name)
+        return [i.plugin_name for i in reversed(caller.get_hookimpls()) if not (i.wrapper or i.hookwrapper)]
+
+    def _no_answer(self, hook_name: str, asked: list[str]) -> str:
+        defaults = [name for name, target in BUILTIN_PLUGINS.items()
+                    if hasattr(_load_object(target), hook_name)]
+        off = [name for name in defaults if name in self.disabled]
+        why = (f"the built-in {' and '.join(map(repr, off))} was disabled (plugins.disable) and it is the only "
+               f"plugin that answers {hook_name}: remove it from \"plugins\": {{\"disable\": [...]}} or register "
+               f"a plugin that answers {hook_name}") if off else (
+               f"register a plugin that answers it (the built-in {' or '.join(map(repr, defaults))} does)"
+               if defaults else "register a plugin that answers it")
+        asked_text = f"asked: {', '.join(asked)}" if asked else "no plugin implements it"
+        return (f"no plugin answered {hook_name}, which is required ({hookspecs.REQUIRED[hook_name]}; "
+                f"{asked_text}); {why}.")
+
+    def answered(self, hook_name: str, result: Any) -> Any:
+        """``result`` of a required hook call, or a :class:`PluginError` when no plugin answered (``None``)."""
+        if result is None:
+            raise PluginError(self._no_answer(hook_name, self._answerers(hook_name)))
+        return result
 
     def names(self) -> list[str]:
         """Names of the registered plugins, in registration order."""
@@ -138,30 +249,22 @@ class PluginManager(pluggy.PluginManager):
     # -- calling --------------------------------------------------------------------------
 
     def impls_in_call_order(self, hook_name: str) -> list[pluggy.HookImpl]:
-        """The implementations of a hook in the order pluggy calls them (tryfirst first)."""
+        """The implementations of a hook in the order pluggy calls them (tryfirst first), wrappers left out."""
         caller = getattr(self.hook, hook_name)
         return [impl for impl in reversed(caller.get_hookimpls()) if not impl.hookwrapper and not impl.wrapper]
 
-    def call_chain(self, hook_name: str, value_arg: str, value: Any, **kwargs: Any) -> Any:
-        """Call a *chain* hook: each implementation gets the previous result as ``value_arg``.
+    def call_each(self, hook_name: str, **kwargs: Any) -> list[tuple[str, Any]]:
+        """Call ``hook_name`` on each implementing plugin alone, through pluggy: ``[(plugin, result), ...]``.
 
-        An implementation returning ``None`` leaves the value unchanged.
+        For answers that must be attributed to their plugin (conflict declarations, config-section
+        listings); wrappers and tracing see each call.
         """
-        for impl in self.impls_in_call_order(hook_name):
-            args = dict(kwargs)
-            args[value_arg] = value
-            for listener in self._chain_listeners:
-                listener(hook_name, impl.plugin_name, "start")
-            result = impl.function(*[args[name] for name in impl.argnames])
-            for listener in self._chain_listeners:
-                listener(hook_name, impl.plugin_name, "end")
-            if result is not None:
-                value = result
-        return value
-
-    def add_chain_listener(self, listener: Any) -> None:
-        """Register ``listener(hook_name, plugin_name, "start"|"end")`` for chain calls (tracing)."""
-        self._chain_listeners.append(listener)
+        answers = []
+        for name in self._answerers(hook_name):
+            others = [info.plugin for other, info in self.infos.items() if other != name]
+            caller = self.subset_hook_caller(hook_name, remove_plugins=others)
+            answers.append((name, caller(**kwargs)))
+        return answers
 
     def implementers(self, hook_name: str) -> list[str]:
         """Plugin names implementing ``hook_name``, in call order."""

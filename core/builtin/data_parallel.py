@@ -15,60 +15,19 @@ Parameters marked ``allreduce = False`` (expert parameters) are neither broadcas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from microspeed import comm
+from microspeed.capabilities import Role
 from microspeed.config import Field, Section, positive
+from microspeed.gradients import ReplicaGroup, reduced_over_data_parallel, replica_group  # noqa: F401
 from microspeed.hookspecs import hookimpl
 from microspeed.topology import Topology
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class ReplicaGroup:
-    """The ranks holding copies of a parameter that is not replicated over the whole data-parallel group.
-
-    A plugin that gives data-parallel ranks different parameters (the experts of a Mixture-of-Experts
-    layer) marks each with ``param.allreduce = False`` and ``param.replica_group = ReplicaGroup(group,
-    ranks)``. A gradient-reduction owner that says ``supports_replica_groups`` on its plugin state (ZeRO
-    stages 1 and 2) partitions and reduces such a parameter over its group, still averaging by the
-    data-parallel size; the others leave it to the plugin that made it.
-    """
-
-    group: Any
-    ranks: tuple[int, ...]
-
-    @property
-    def size(self) -> int:
-        """Ranks in the group."""
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        """This process's position in the group."""
-        me = dist.get_rank() if dist.is_initialized() else 0
-        if me not in self.ranks:
-            raise ValueError(f"ReplicaGroup{self.ranks}: rank {me} is not a member")
-        return self.ranks.index(me)
-
-
-def replica_group(param: torch.Tensor) -> ReplicaGroup | None:
-    """The :class:`ReplicaGroup` ``param`` is replicated over, or ``None`` for the data-parallel group."""
-    return getattr(param, "replica_group", None)
-
-
-def reduced_over_data_parallel(param: torch.Tensor) -> bool:
-    """Whether ``param`` is replicated over the data-parallel group (broadcast at start, gradients averaged).
-
-    ``param.allreduce = False`` is DeepSpeed's mark for parameters that differ across data-parallel
-    ranks (the experts of a Mixture-of-Experts layer); the plugin that made them synchronises them.
-    """
-    return getattr(param, "allreduce", True) is not False
 
 
 class Bucket:
@@ -204,7 +163,7 @@ class DataParallelPlugin:
         """Build buckets in backward order; install overlap hooks unless buffers are elsewhere."""
         self.engine = engine
         topo = engine.topology
-        if topo.data_parallel_size == 1 or engine.owner("gradient_reduction") is not None:
+        if topo.data_parallel_size == 1 or engine.owner(Role.GRADIENT_REDUCTION) is not None:
             return  # nothing to reduce, or another plugin (ZeRO) took reduction over
         c = self.config
         dtype = c["communication_data_type"]
@@ -222,7 +181,6 @@ class DataParallelPlugin:
 
     def _broadcast_parameters(self, model: torch.nn.Module, topo: Topology) -> None:
         """Start every replica from the same weights (those of data-parallel rank 0)."""
-        import torch.distributed as dist
 
         src = dist.get_global_rank(topo.data_parallel_group, 0) if topo.data_parallel_group is not None else 0
         with torch.no_grad():
@@ -231,7 +189,7 @@ class DataParallelPlugin:
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         engine = self.engine
-        if not engine.ctx.reduce or self.reducer is None or engine.owner("gradient_reduction") is not None:
+        if not engine.ctx.reduce or self.reducer is None or engine.owner(Role.GRADIENT_REDUCTION) is not None:
             return
         bucket = self.reducer.bucket_of[id(param)]
         bucket.ready += 1
@@ -241,7 +199,7 @@ class DataParallelPlugin:
     @hookimpl(trylast=True)
     def microspeed_reduce_gradients(self, engine) -> bool:
         """Wait for launched buckets, reduce the rest, write the averages back."""
-        if self.reducer is None or engine.owner("gradient_reduction") is not None:
+        if self.reducer is None or engine.owner(Role.GRADIENT_REDUCTION) is not None:
             return True  # nothing to reduce, or a plugin reduces (and answers this hook) itself
         buffers = engine.hook.microspeed_gradient_buffers(engine=engine)
         if buffers is not None:  # gradients live outside p.grad: reduce those, not overlapped

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from microspeed.config import Field
+from microspeed.data import RepeatingLoader  # noqa: F401 - its home before the kernel took it
 from microspeed.hookspecs import hookimpl
 
 
@@ -84,24 +85,6 @@ class MicroBatchLoader:
                               f"{old[0]}*{old[1]}: {samples} samples of epoch {epoch} were consumed, resuming at "
                               f"{consumed * new[0] * new[1]} ({rest} samples are seen again)", stacklevel=2)
         self.epoch, self._skip = epoch, consumed
-
-
-class RepeatingLoader:
-    """Wraps an iterable and restarts it when exhausted, so ``next()`` never stops."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self) -> RepeatingLoader:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
 
 
 class DataLoaderPlugin:

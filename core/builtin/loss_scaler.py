@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from microspeed.errors import ConfigError
+from microspeed.gradients import has_inf_or_nan  # the kernel's; re-exported here as DeepSpeed's fp16 module has it
 
 __all__ = [
     "BaseLossScaler",
@@ -315,34 +316,6 @@ def make_loss_scaler(
         consecutive_hysteresis=consecutive,
         raise_error_at_min_scale=raise_error_at_min_scale,
     )
-
-
-def has_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> bool:
-    """Whether any of ``tensors`` (typically gradients) holds an inf, -inf or nan.
-
-    ``None`` entries, empty tensors and non-floating-point tensors are skipped; sparse tensors are checked
-    on their stored values. Tensors are grouped by device and dtype; each group takes one
-    ``torch._foreach_norm(..., inf)`` (max-abs, which propagates nan and is exact, so it cannot overflow
-    for finite inputs), and the host synchronises once per device, not once per tensor.
-    """
-    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        if t.is_sparse:
-            t = t._values()
-        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
-            continue
-        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(t.detach())
-
-    for by_dtype in groups.values():
-        flags = []
-        for group in by_dtype.values():
-            norms = torch._foreach_norm(group, math.inf)
-            flags.append(torch.isfinite(torch.stack(norms)).all())
-        if not bool(torch.stack(flags).all()):
-            return True
-    return False
 
 
 def overflow_across_ranks(local_overflow: bool | torch.Tensor, group: Any = None) -> bool:

@@ -12,8 +12,8 @@ into the fp32 master gradient (so accumulation does not round), and those fp32 b
 the data-parallel reduction averages.
 
 A plugin that claims the ``optimizer_step`` role (ZeRO) keeps its own, partitioned masters: this
-plugin then only casts the model and scales the loss, and lends its loss scaler through
-``engine.plugin_state("mixed_precision")`` (attributes ``dtype``, ``scaler``, ``accumulate_fp32``).
+plugin then only casts the model and scales the loss, and states its loss scaler as the
+:class:`~microspeed.capabilities.LossScaling` capability (``dtype``, ``scaler``, ``accumulate_fp32``).
 """
 
 from __future__ import annotations
@@ -22,14 +22,11 @@ from typing import Any
 
 import torch
 
-from microspeed.builtin.loss_scaler import (
-    BaseLossScaler,
-    has_inf_or_nan,
-    make_loss_scaler,
-    overflow_across_ranks,
-)
+from microspeed.builtin.loss_scaler import BaseLossScaler, make_loss_scaler, overflow_across_ranks
+from microspeed.capabilities import LossScaling, Role
 from microspeed.config import Field, Section
 from microspeed.errors import ConfigError
+from microspeed.gradients import has_inf_or_nan, reduced_over_data_parallel
 from microspeed.hookspecs import StepOutcome, hookimpl
 
 _DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -107,8 +104,13 @@ class MixedPrecisionPlugin:
             self.accumulate_fp32 = True
 
     @hookimpl
+    def microspeed_capabilities(self) -> list[LossScaling]:
+        """State the dtype and the loss scaler, for plugins that step the optimizer themselves."""
+        return [LossScaling(dtype=self.dtype, scaler=self.scaler, accumulate_fp32=self.accumulate_fp32)]
+
+    @hookimpl
     def microspeed_setup(self, engine) -> None:
-        """Lend the dtype and the loss scaler to plugins that step the optimizer themselves."""
+        """Keep the engine (to see whether another plugin steps the optimizer)."""
         engine.set_plugin_state("mixed_precision", self)
         self.engine = engine
 
@@ -131,7 +133,7 @@ class MixedPrecisionPlugin:
         }
 
     def _stepped_elsewhere(self) -> bool:
-        return self.engine is not None and self.engine.owner("optimizer_step") is not None
+        return self.engine is not None and self.engine.owner(Role.OPTIMIZER_STEP) is not None
 
     @hookimpl(tryfirst=True)
     def microspeed_transform_model(self, model: torch.nn.Module) -> torch.nn.Module | None:
@@ -179,7 +181,6 @@ class MixedPrecisionPlugin:
         """With fp32 accumulation, the masters' fp32 gradients are the ones to reduce."""
         if not self.accumulate_fp32 or self._stepped_elsewhere():
             return None
-        from microspeed.builtin.data_parallel import reduced_over_data_parallel
 
         return [self._master_grad(m) for p, m in self.pairs if reduced_over_data_parallel(p)]
 

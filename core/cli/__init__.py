@@ -124,10 +124,10 @@ def cmd_config_keys(argv: Sequence[str]) -> int:
     pm.load_all(disabled=list(argv))
     owners: dict[str, str] = {}
     claims = []
-    for impl in pm.impls_in_call_order("microspeed_config_sections"):
-        claim = impl.function() or {}
-        claims.append(claim)
-        owners.update(dict.fromkeys(claim, impl.plugin_name))
+    for name, answers in pm.call_each("microspeed_config_sections"):
+        for claim in answers:
+            claims.append(claim or {})
+            owners.update(dict.fromkeys(claim or {}, name))
     order = list(pm.infos)
     schema = merge_schema(sorted(claims, key=lambda c: min((order.index(owners[k]) for k in c), default=0)))
     print(markdown_table(schema, owners))

@@ -8,9 +8,9 @@ traced) or by the config section ``"trace": {"enabled": true, "output_path": "<d
 
 When on, the process-wide :data:`probe`:
 
-* watches every hook call of the engine's plugin manager (pluggy's ``add_hookcall_monitoring``),
-  times each implementation (its function is wrapped while tracing is on) and listens to chain
-  calls (``PluginManager.add_chain_listener``);
+* watches every hook call of the engine's plugin manager (pluggy's ``add_hookcall_monitoring``;
+  chain hooks run through pluggy's call loop too) and times each implementation (its function is
+  wrapped while tracing is on);
 * observes every collective of :mod:`microspeed.comm` (:class:`microspeed.comm.CollectiveObserver`);
 * keeps, per thread, the stack of hook calls and collectives in progress: what the watchdog
   (:mod:`microspeed.observe.watchdog`) reads to say where a rank hangs.
@@ -25,7 +25,7 @@ start) and ``wall`` (epoch seconds at its start). The events:
   both clocks), ``version``;
 * ``hook``: ``hook`` (name without ``microspeed_``), ``dur_ns``, ``plugins`` (those that ran, in
   order), ``plugin_ns`` (each one's time), ``plugin_off_ns`` (its start after the hook's),
-  ``depth`` (nesting), ``chain`` (a chain call: one event per implementation), ``exc``
+  ``depth`` (nesting), ``chain`` (true for a chain hook, whose plugins each passed the value on), ``exc``
   (``"Type: message"`` or null) and ``exc_plugin``;
 * ``collective``: ``op``, ``bytes``, ``group``, ``group_size``, ``seq``, ``async``, ``dur_ns``
   (call to completion), ``launch_ns``, ``wait_ns`` (time blocked in ``wait()``) and ``wait_off_ns``
@@ -60,6 +60,7 @@ from typing import Any
 import structlog
 
 from microspeed import comm
+from microspeed.hookspecs import CHAINS
 
 ENV_VAR = "MICROSPEED_TRACE"
 """Environment variable: a directory turns tracing on (``0``, ``false`` or empty: off)."""
@@ -178,9 +179,7 @@ class Probe(comm.CollectiveObserver):
                     continue
                 wrapped.append((impl, impl.function))
                 impl.function = self._timed(impl, caller.name)
-        attachment = _Attachment(undo, wrapped)
-        self._attached[pm] = attachment
-        pm.add_chain_listener(self._chain_listener(attachment))
+        self._attached[pm] = _Attachment(undo, wrapped)
 
     def detach(self, pm: Any) -> None:
         """Undo :meth:`attach` on ``pm``."""
@@ -215,7 +214,7 @@ class Probe(comm.CollectiveObserver):
     # -- hooks -----------------------------------------------------------------------------
 
     def _timed(self, impl: Any, hook_name: str) -> Any:
-        fn, plugin, stack_of, probe = impl.function, impl.plugin_name, self._stack, self
+        fn, plugin, stack_of = impl.function, impl.plugin_name, self._stack
 
         def timed_impl(*args: Any, **kwargs: Any) -> Any:
             stack = stack_of()
@@ -226,11 +225,9 @@ class Probe(comm.CollectiveObserver):
             t = _perf()
             try:
                 result = fn(*args)
-            except BaseException as exc:
+            except BaseException:
                 top.impls.append((plugin, t, _perf() - t))
                 top.plugin, top.exc_plugin = None, plugin
-                if top.chain:  # call_chain does not tell its listeners about a raising implementation
-                    probe._end_chain(top, exc)
                 raise
             top.impls.append((plugin, t, _perf() - t))
             top.plugin = None
@@ -250,7 +247,7 @@ class Probe(comm.CollectiveObserver):
             self.training = True
             if self._step_t0 is None:
                 self._step_t0 = t
-        stack.append(Frame("hook", hook_name, t, len(stack)))
+        stack.append(Frame("hook", hook_name, t, len(stack), chain=hook_name in CHAINS))
 
     def _after(self, outcome: Any, hook_name: str, hook_impls: Any, kwargs: Any) -> None:
         t_end = _perf()
@@ -258,7 +255,7 @@ class Probe(comm.CollectiveObserver):
         frame = None
         while stack:
             f = stack.pop()
-            if f.kind == "hook" and f.name == hook_name and not f.chain:
+            if f.kind == "hook" and f.name == hook_name:
                 frame = f
                 break
         if frame is None:
@@ -271,28 +268,6 @@ class Probe(comm.CollectiveObserver):
             if hook_name == "microspeed_after_global_step":
                 tracer.step(kwargs.get("engine"), self._step_t0 or frame.t0, t_end)
                 self._step_t0 = None
-
-    def _chain_listener(self, attachment: _Attachment) -> Any:
-        def listener(hook_name: str, plugin_name: str, when: str) -> None:
-            if not attachment.on:
-                return
-            stack = self._stack()
-            if when == "start":
-                stack.append(Frame("hook", hook_name, _perf(), len(stack), chain=True))
-            elif stack and stack[-1].chain and stack[-1].name == hook_name:
-                self._end_chain(stack[-1], None)
-
-        return listener
-
-    def _end_chain(self, frame: Frame, exc: BaseException | None) -> None:
-        t_end = _perf()
-        stack = self._stack()
-        if stack and stack[-1] is frame:
-            stack.pop()
-        if stack is self.main_stack:
-            self.last = (frame.name, t_end)
-        if self.tracer is not None:
-            self.tracer.hook(frame, t_end, exc)
 
     # -- collectives -------------------------------------------------------------------------
 

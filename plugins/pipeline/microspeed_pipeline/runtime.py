@@ -147,7 +147,7 @@ class PipelineRuntime:
         if self._is_last_virtual(chunk):
             ctx.loss = loss = self.outputs.pop((chunk, mb))
             engine.hook.microspeed_before_backward(engine=engine, ctx=ctx)
-            scaled = engine.plugins.call_chain("microspeed_scale_loss", "loss", loss, engine=engine)
+            scaled = engine.hook.microspeed_scale_loss(engine=engine, loss=loss)
             engine.hook.microspeed_backward(engine=engine, loss=scaled, retain_graph=False)
         else:
             outs = self.outputs.pop((chunk, mb))

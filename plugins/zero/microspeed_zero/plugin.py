@@ -58,8 +58,6 @@ class ZeroPlugin:
             return
         engine.claim("gradient_reduction", "zero")
         engine.claim("optimizer_step", "zero")
-        if self.cfg.stage == 3:
-            engine.claim("parameters", "zero")
         self.rt = ZeroRuntime(engine, self.cfg)
         engine.set_plugin_state("zero", self.rt)
 

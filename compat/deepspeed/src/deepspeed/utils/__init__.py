@@ -11,7 +11,7 @@ from typing import Any
 from deepspeed.utils import groups
 from deepspeed.utils.logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from microspeed import comm as _comm
-from microspeed.builtin.dataloader import RepeatingLoader
+from microspeed.data import RepeatingLoader
 
 #: Names served by the ZeRO plugin (``microspeed.zero``).
 ZERO_NAMES = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "register_external_parameter",

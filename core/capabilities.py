@@ -1,0 +1,106 @@
+"""How plugins cooperate without knowing each other: roles and typed capabilities.
+
+* A :class:`Role` is work with a built-in default that must stand down entirely when a plugin takes
+  it over (``engine.claim(Role.GRADIENT_REDUCTION, "zero")``). Roles are a closed set: claiming a
+  name that is not a role is a :class:`~microspeed.errors.PluginError`.
+* A :class:`Capability` is a typed fact one plugin states about what it does, for others to ask —
+  "gradients and optimizer state are partitioned over the data-parallel group, at stage 2", "the
+  loss is scaled by this scaler". A plugin states its capabilities by answering the collected hook
+  ``microspeed_capabilities(config)`` (right after ``configure``, so that ``microspeed_conflicts``
+  and every later hook can ask), or later with ``engine.capabilities.provide(...)``. Others ask
+  ``engine.capabilities.get(GradientPartitioning)`` — never another plugin's config section or name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from microspeed.errors import PluginError
+
+
+class Role(enum.StrEnum):
+    """Work a plugin can take over from the built-in default (see :meth:`microspeed.Engine.claim`)."""
+
+    GRADIENT_REDUCTION = "gradient_reduction"
+    """Averaging gradients across the data-parallel group (default: the built-in ``data_parallel``)."""
+
+    OPTIMIZER_STEP = "optimizer_step"
+    """Master weights, overflow checks and stepping the optimizer (default: ``mixed_precision`` for
+    fp16/bf16, else ``optimizers``)."""
+
+    @classmethod
+    def parse(cls, role: Role | str) -> Role:
+        """``role`` as a :class:`Role`; a name that is not a role raises :class:`PluginError` listing them."""
+        try:
+            return cls(role)
+        except ValueError:
+            raise PluginError(f"{role!r} is not a role; the roles are "
+                              f"{', '.join(r.value for r in cls)} (microspeed.plugin_api.Role).") from None
+
+
+class Capability:
+    """Base class of the typed facts plugins state about themselves (frozen dataclasses)."""
+
+
+@dataclass(frozen=True)
+class GradientPartitioning(Capability):
+    """Gradients and optimizer state (and from stage 3 the parameters) are partitioned over data-parallel ranks.
+
+    ``stage``: 1 optimizer state, 2 also gradients (reduce-scattered during backward), 3 also parameters.
+    ``keeps_replica_groups``: parameters carrying a :class:`~microspeed.plugin_api.ReplicaGroup` are
+    partitioned and reduced over their own group (so MoE experts stay apart). ``config_key``: the key
+    that turns it on, and ``disable_hint``: how a user turns it off — for refusals that name them.
+    """
+
+    stage: int
+    keeps_replica_groups: bool
+    config_key: str
+    disable_hint: str
+
+
+@dataclass(frozen=True)
+class LossScaling(Capability):
+    """Mixed precision: the model's ``dtype``, the fp16 loss ``scaler`` (``None`` for bf16/fp32) and whether
+    gradients accumulate in fp32 buffers (``accumulate_fp32``). A plugin that steps the optimizer itself
+    unscales with ``scaler.loss_scale`` and reports overflow with ``scaler.update_scale(overflow)``."""
+
+    dtype: Any
+    scaler: Any
+    accumulate_fp32: bool
+
+
+C = TypeVar("C", bound=Capability)
+
+
+class Capabilities:
+    """The capabilities stated for one engine: at most one provider per capability type."""
+
+    def __init__(self) -> None:
+        self._by_type: dict[type, tuple[Capability, str]] = {}
+
+    def provide(self, capability: Capability, plugin: str) -> None:
+        """Record that ``plugin`` provides ``capability``; a second provider of its type is refused."""
+        if not isinstance(capability, Capability):
+            raise PluginError(f"plugin {plugin!r} states {capability!r}, which is not a "
+                              f"microspeed.plugin_api.Capability.")
+        held = self._by_type.get(type(capability))
+        if held is not None and held[1] != plugin:
+            raise PluginError(f"plugins {held[1]!r} and {plugin!r} both provide {type(capability).__name__}; "
+                              f"disable one of them (\"plugins\": {{\"disable\": [...]}}) or turn off its config "
+                              f"section.")
+        self._by_type[type(capability)] = (capability, plugin)
+
+    def get(self, kind: type[C]) -> C | None:
+        """The capability of type ``kind`` some plugin stated, or ``None``."""
+        held = self._by_type.get(kind)
+        return held[0] if held is not None else None  # type: ignore[return-value]
+
+    def provider(self, kind: type[Capability]) -> str | None:
+        """The name of the plugin that stated ``kind``, or ``None``."""
+        held = self._by_type.get(kind)
+        return held[1] if held is not None else None
+
+    def __repr__(self) -> str:
+        return f"Capabilities({', '.join(f'{t.__name__}<-{p}' for t, (_, p) in self._by_type.items())})"

@@ -1,0 +1,273 @@
+"""What every plugin shares about parameters and their gradients: replica groups, overflow, the global norm.
+
+* **Replica groups.** A parameter is replicated over the data-parallel group unless a plugin says
+  otherwise (:class:`ReplicaGroup`, DeepSpeed's ``param.allreduce = False``: the experts of a
+  Mixture-of-Experts layer live on some ranks only).
+* **Overflow.** :func:`has_inf_or_nan`, one host sync per device, for loss scaling.
+* **The global gradient norm**, computed in one place (:func:`global_grad_norm`). The kernel sums
+  every gradient's squares once: over the topology's model-parallel group by default, and over
+  whatever else a plugin declares for a parameter through the collected hook
+  ``microspeed_grad_norm_rules`` — a :class:`NormRule` per parameter name: *skip* a copy whose
+  squares another rank counts (a tied weight on a later pipeline stage, a tensor-parallel
+  duplicate), or sum over extra *groups* (an expert's squares over its expert-parallel group).
+  No plugin needs to know another's groups: each describes its own parameters, and
+  :func:`clip_` scales once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from microspeed import comm
+
+if TYPE_CHECKING:
+    from microspeed.engine import Engine
+
+
+# ------------------------------------------------------------------------------ replica groups
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The ranks holding copies of a parameter that is not replicated over the whole data-parallel group.
+
+    A plugin that gives data-parallel ranks different parameters (the experts of a Mixture-of-Experts
+    layer) marks each with ``param.allreduce = False`` and ``param.replica_group = ReplicaGroup(group,
+    ranks)``. A gradient-reduction owner whose :class:`~microspeed.capabilities.GradientPartitioning`
+    capability says ``keeps_replica_groups`` (ZeRO stages 1 and 2) partitions and reduces such a
+    parameter over its group, still averaging by the data-parallel size; the others leave it to the
+    plugin that made it.
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        """Ranks in the group."""
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's position in the group."""
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if me not in self.ranks:
+            raise ValueError(f"ReplicaGroup{self.ranks}: rank {me} is not a member")
+        return self.ranks.index(me)
+
+
+def replica_group(param: torch.Tensor) -> ReplicaGroup | None:
+    """The :class:`ReplicaGroup` ``param`` is replicated over, or ``None`` for the data-parallel group."""
+    return getattr(param, "replica_group", None)
+
+
+def reduced_over_data_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is replicated over the data-parallel group (broadcast at start, gradients averaged).
+
+    ``param.allreduce = False`` is DeepSpeed's mark for parameters that differ across data-parallel
+    ranks (the experts of a Mixture-of-Experts layer); the plugin that made them synchronises them.
+    """
+    return getattr(param, "allreduce", True) is not False
+
+
+# ------------------------------------------------------------------------------------ overflow
+
+
+def has_inf_or_nan(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether any of ``tensors`` (typically gradients) holds an inf, -inf or nan.
+
+    ``None`` entries, empty tensors and non-floating-point tensors are skipped; sparse tensors are checked
+    on their stored values. Tensors are grouped by device and dtype; each group takes one
+    ``torch._foreach_norm(..., inf)`` (max-abs, which propagates nan and is exact, so it cannot overflow
+    for finite inputs), and the host synchronises once per device, not once per tensor.
+    """
+    groups: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_sparse:
+            t = t._values()
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        groups.setdefault(t.device, {}).setdefault(t.dtype, []).append(t.detach())
+
+    for by_dtype in groups.values():
+        flags = []
+        for group in by_dtype.values():
+            norms = torch._foreach_norm(group, math.inf)
+            flags.append(torch.isfinite(torch.stack(norms)).all())
+        if not bool(torch.stack(flags).all()):
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------------- the norm
+
+
+@dataclass(frozen=True)
+class NormRule:
+    """How one parameter's gradient counts in the global norm (answer of ``microspeed_grad_norm_rules``).
+
+    ``skip``: this rank's copy is counted elsewhere (a tied weight's copy on a later pipeline stage, a
+    tensor-parallel duplicate on tensor rank > 0). ``groups``: process groups, besides the model-parallel
+    group, over which this gradient's squares are summed (the expert-parallel group of an expert,
+    whose siblings hold different experts). Rules from several plugins for one parameter combine:
+    skip wins, groups add up.
+    """
+
+    skip: bool = False
+    groups: tuple[Any, ...] = ()
+
+
+def square_sum(tensors: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Sum of the squares of every element of ``tensors``, as a 0-d fp32 tensor (no host sync)."""
+    present = [t for t in tensors if t is not None and t.numel()]
+    if not present:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    per_tensor = torch._foreach_norm(present, 2.0)
+    return torch.stack([n.float() for n in per_tensor]).square().sum()
+
+
+NOT_PARTITIONED = object()
+"""Default of :meth:`GradNorm.__call__`'s ``partitioned_over``: every rank holds whole gradients."""
+
+
+def _local_norm(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    per_tensor = torch._foreach_norm(list(tensors), 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in per_tensor]), 2.0)
+
+
+def combine_rules(answers: Iterable[dict[str, NormRule] | None]) -> dict[str, NormRule]:
+    """Merge the plugins' ``{fqn: NormRule}`` answers: skip wins, groups add up (each group once)."""
+    merged: dict[str, NormRule] = {}
+    for answer in answers:
+        for name, rule in (answer or {}).items():
+            if not isinstance(rule, NormRule):
+                raise TypeError(f"microspeed_grad_norm_rules: the rule for {name!r} is a {type(rule).__name__}, "
+                                f"not a microspeed.plugin_api.NormRule")
+            old = merged.get(name)
+            if old is None:
+                merged[name] = rule
+                continue
+            groups = old.groups + tuple(g for g in rule.groups if not any(g is h for h in old.groups))
+            merged[name] = NormRule(skip=old.skip or rule.skip, groups=groups)
+    return merged
+
+
+class GradNorm:
+    """The engine's global-norm bookkeeping: the merged rules and which tensors they name.
+
+    One per engine (``engine.grad_norm``). The rules are asked of the plugins once, at the end of
+    ``initialize()`` (:meth:`prepare`: parameters and optimizer are final by then) or at the first norm;
+    :meth:`refresh` makes the next norm ask again.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._rules: dict[str, NormRule] | None = None
+        self._slots: list[tuple[int, ...]] = []
+        self._slot_of: dict[int, int] = {}  # id(param) -> slot index; params of no slot use slot 0
+        self._skip: set[int] = set()
+        self._groups: list[tuple[Any, ...]] = [()]
+
+    def refresh(self) -> None:
+        """Forget the rules and the parameter map (parameters were replaced)."""
+        self._rules = None
+
+    def prepare(self) -> None:
+        """Ask the plugins for their rules and map them onto the optimizer's and the module's parameters."""
+        engine = self.engine
+        self._rules = combine_rules(engine.hook.microspeed_grad_norm_rules(engine=engine))
+        self._groups, self._slot_of, self._skip = [()], {}, set()
+        if not self._rules:
+            return
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        for extra in engine.hook.microspeed_optimizer_param_names(engine=engine):
+            names.update(extra or {})
+        keys: dict[tuple[int, ...], int] = {(): 0}
+        by_name: dict[str, int] = {}
+        for name, rule in self._rules.items():  # slots in rule order: the same on every rank
+            key = tuple(id(g) for g in rule.groups)
+            if key not in keys:
+                keys[key] = len(self._groups)
+                self._groups.append(rule.groups)
+            by_name[name] = keys[key]
+        params = [p for group in getattr(engine.optimizer, "param_groups", []) for p in group["params"]]
+        params += list(engine.module.parameters())
+        for p in params:
+            rule = self._rules.get(names.get(id(p), ""))
+            if rule is None:
+                continue
+            if rule.skip:
+                self._skip.add(id(p))
+            else:
+                self._slot_of[id(p)] = by_name[names[id(p)]]
+
+    def __call__(self, grads: Sequence[torch.Tensor | None], *, params: Sequence[torch.Tensor] | None = None,
+                 partitioned_over: Any = NOT_PARTITIONED) -> torch.Tensor:
+        """The global L2 norm (0-d fp32 tensor) of ``grads``, each element counted once over all ranks.
+
+        ``params`` (same length as ``grads``) names whose gradient each is, for the rules; without it the
+        gradients are matched to the optimizer's parameters by identity. ``partitioned_over``: the group
+        across which ``grads`` are disjoint pieces (ZeRO's flat gradient shards; ``None`` is the world),
+        summed over it too.
+        """
+        if self._rules is None:
+            self.prepare()
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        topology = self.engine.topology
+        if len(self._groups) == 1 and not self._skip:
+            slots = [[g for g in grads if g is not None]]
+            if partitioned_over is NOT_PARTITIONED and topology.model_parallel_size == 1:
+                return _local_norm(slots[0], device)  # pure data parallelism: every rank holds it all
+        else:
+            slots = [[] for _ in self._groups]
+            owner = self._owners(grads, params)
+            for g, key in zip(grads, owner, strict=True):
+                if g is None or key in self._skip:
+                    continue
+                slots[self._slot_of.get(key, 0)].append(g)
+        total = square_sum(slots[0], device)
+        for index in range(1, len(slots)):
+            part = square_sum(slots[index], device)
+            for group in self._groups[index]:
+                if comm.get_world_size(group) > 1:
+                    comm.all_reduce(part, group=group)
+            total = total + part
+        if partitioned_over is not NOT_PARTITIONED and comm.get_world_size(partitioned_over) > 1:
+            comm.all_reduce(total, group=partitioned_over)
+        if topology.model_parallel_size > 1:
+            comm.all_reduce(total, group=topology.model_parallel_group)
+        return total.sqrt()
+
+    def _owners(self, grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor] | None) -> list[int]:
+        if params is not None:
+            return [id(p) for p in params]
+        by_grad = {}
+        for group in getattr(self.engine.optimizer, "param_groups", []):
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_grad[id(p.grad)] = id(p)
+        for p in self.engine.module.parameters():
+            if p.grad is not None:
+                by_grad.setdefault(id(p.grad), id(p))
+        return [by_grad.get(id(g), -1) if g is not None else -1 for g in grads]
+
+
+def clip_(grads: Sequence[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale ``grads`` in place so that their norm is at most ``max_norm`` (DeepSpeed's rule, no host sync).
+
+    ``coef = max_norm / (norm + 1e-6)``, applied when below 1.
+    """
+    grads = [g for g in grads if g is not None]
+    if grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device))

@@ -1,0 +1,87 @@
+"""The plugin API: everything a plugin may import from microspeed, in one declared place.
+
+A plugin (in this repository or a third party's) imports from this module and from ``microspeed``'s
+top-level names — as pytest plugins import ``pytest`` and never ``_pytest`` — so the kernel can move
+its internals without breaking plugins. ``tests/test_layering.py`` checks that every plugin does.
+
+What is here, by concern:
+
+* **hooks**: :data:`hookimpl` (the marker), :class:`StepOutcome`, :class:`StepContext`;
+* **errors**: :class:`ConfigError`, :class:`EngineUsageError`, :class:`PluginError`;
+* **config**: :class:`Section` / :class:`Field` and their validators, :class:`Config`,
+  :func:`load_raw`, :func:`parse`;
+* **cooperation**: :class:`Role`, :class:`Capability` and the kinds plugins state
+  (:class:`GradientPartitioning`, :class:`LossScaling`), :class:`Capabilities`;
+* **gradients**: :class:`ReplicaGroup` / :func:`replica_group` / :func:`reduced_over_data_parallel`,
+  :func:`has_inf_or_nan`, :class:`NormRule`, :func:`square_sum`, :func:`clip_`;
+* **topology**: :class:`Topology`;
+* **communication**: :data:`comm` (microspeed's wrappers over ``torch.distributed``, observed by tracing,
+  the watchdog and the comms logger — use them instead of ``torch.distributed`` for collectives);
+* **checkpoints**: :class:`Placement`, :func:`flat_shard`, :class:`TensorRef`, :func:`split_tensor_refs`,
+  :class:`CheckpointError`, :class:`CheckpointWarning`;
+* **kernels**: :func:`kernel_backend` / :func:`env_choice` (Triton or the PyTorch reference);
+* **logging**: :func:`get_logger`.
+"""
+
+from __future__ import annotations
+
+from microspeed import comm
+from microspeed.capabilities import Capabilities, Capability, GradientPartitioning, LossScaling, Role
+from microspeed.checkpoint import CheckpointError, CheckpointWarning, Placement, flat_shard
+from microspeed.checkpoint.manifest import TensorRef
+from microspeed.checkpoint.manifest import split as split_tensor_refs
+from microspeed.config import Config, Field, Section, load_raw, non_negative, parse, positive
+from microspeed.engine import StepContext
+from microspeed.errors import ConfigError, EngineUsageError, PluginError
+from microspeed.gradients import (
+    NormRule,
+    ReplicaGroup,
+    clip_,
+    has_inf_or_nan,
+    reduced_over_data_parallel,
+    replica_group,
+    square_sum,
+)
+from microspeed.hookspecs import StepOutcome, hookimpl
+from microspeed.log import get_logger
+from microspeed.ops.backend import env_choice, kernel_backend
+from microspeed.topology import Topology
+
+__all__ = [
+    "Capabilities",
+    "Capability",
+    "CheckpointError",
+    "CheckpointWarning",
+    "Config",
+    "ConfigError",
+    "EngineUsageError",
+    "Field",
+    "GradientPartitioning",
+    "LossScaling",
+    "NormRule",
+    "Placement",
+    "PluginError",
+    "ReplicaGroup",
+    "Role",
+    "Section",
+    "StepContext",
+    "StepOutcome",
+    "TensorRef",
+    "Topology",
+    "clip_",
+    "comm",
+    "env_choice",
+    "flat_shard",
+    "get_logger",
+    "has_inf_or_nan",
+    "hookimpl",
+    "kernel_backend",
+    "load_raw",
+    "non_negative",
+    "parse",
+    "positive",
+    "reduced_over_data_parallel",
+    "replica_group",
+    "split_tensor_refs",
+    "square_sum",
+]
