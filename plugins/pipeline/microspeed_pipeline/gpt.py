@@ -1,9 +1,9 @@
-"""The demo GPT (:mod:`microspeed.demo.model`) as a pipeline: layer specs, loss, and a builder.
+"""The shared GPT (:mod:`microspeed.models`) as a pipeline: layer specs, loss, and a builder.
 
-``gpt_layers(config)`` lists the same computation as :class:`microspeed.demo.model.GPT` as pipeline
+``gpt_layers(config)`` lists the same computation as :class:`microspeed.models.GPT` as pipeline
 layers — token embedding (tied with the output head), position embedding, the transformer blocks,
 the final LayerNorm, the head — so any number of stages (and chunks) can run it. Blocks are the
-demo's own :class:`~microspeed.demo.model.Block`; initialisation is GPT-2's, as the demo model's.
+model's own :class:`~microspeed.models.Block`; initialisation is GPT-2's, as the model's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from microspeed.demo.model import Block, GPTConfig
+from microspeed.models import Block, GPTConfig
 from microspeed_pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
 
 
@@ -41,7 +41,7 @@ class TokenEmbedding(nn.Embedding):
 
 
 class GPTBlock(Block):
-    """The demo's transformer block, GPT-2 initialised (residual projections scaled by depth)."""
+    """The shared transformer block, GPT-2 initialised (residual projections scaled by depth)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -66,7 +66,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def gpt_layers(config: GPTConfig) -> list:
-    """The demo GPT as a flat list of pipeline layers (embedding and head tied under the key ``"embed"``)."""
+    """The GPT as a flat list of pipeline layers (embedding and head tied under the key ``"embed"``)."""
     return [TiedLayerSpec("embed", TokenEmbedding, config),
             LayerSpec(PositionEmbedding, config),
             *[LayerSpec(GPTBlock, config) for _ in range(config.n_layer)],
