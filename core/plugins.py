@@ -206,14 +206,25 @@ class PluginManager(pluggy.PluginManager):
         self.check_required()
 
     def check_required(self) -> None:
-        """Refuse a set of plugins that leaves a required hook without any implementation.
+        """Refuse disabling an essential built-in, and a plugin set that leaves a required hook unimplemented.
 
-        As pytest refuses to disable its essential plugins: the error names the hook, the disabled
-        built-in that implements it, and the fix.
+        As pytest refuses to disable its essential plugins: a built-in that is the only default answer
+        of a required hook (:func:`essential_builtins`) cannot be disabled — a plugin replaces it by
+        answering that hook first (the built-in's answer is ``trylast``). The error names the hook,
+        the built-in and the fix.
         """
-        missing = [hook for hook in hookspecs.REQUIRED if not self._answerers(hook)]
-        if missing:
-            raise PluginError("; ".join(self._no_answer(hook, asked=[]) for hook in missing))
+        problems, covered = [], set()
+        for name, hooks in essential_builtins().items():
+            if name in self.disabled:
+                covered.update(hooks)
+                problems.append(f"the built-in {name!r} is essential and cannot be disabled (plugins.disable): it is "
+                                f"the default answer of {', '.join(hooks)}; remove it from \"plugins\": "
+                                f"{{\"disable\": [...]}} — to replace it, register a plugin that answers "
+                                f"{' and '.join(hooks)} (it is asked before the built-in's trylast default)")
+        problems += [self._no_answer(hook, asked=[]) for hook in hookspecs.REQUIRED
+                     if hook not in covered and not self._answerers(hook)]
+        if problems:
+            raise PluginError("; ".join(problems))
 
     def _answerers(self, hook_name: str) -> list[str]:
         caller = getattr(self.hook, hook_name)
@@ -276,6 +287,16 @@ class PluginManager(pluggy.PluginManager):
         plugin = self.get_plugin(name)
         callers = self.get_hookcallers(plugin) or []
         return sorted(c.name for c in callers)
+
+
+def essential_builtins() -> dict[str, list[str]]:
+    """Built-ins that cannot be disabled: ``name -> the required hooks only it answers among the built-ins``."""
+    essential: dict[str, list[str]] = {}
+    for hook in hookspecs.REQUIRED:
+        answering = [name for name, target in BUILTIN_PLUGINS.items() if hasattr(_load_object(target), hook)]
+        if len(answering) == 1:
+            essential.setdefault(answering[0], []).append(hook)
+    return essential
 
 
 def discover_entry_points() -> list[metadata.EntryPoint]:
