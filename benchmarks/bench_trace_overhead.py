@@ -158,6 +158,9 @@ def hook_call_us(repeat: int = 5) -> dict[str, float]:
         return min(timer.repeat(repeat=repeat, number=number)) / number * 1e6
 
     out = {"implementers": len(pm.implementers("microspeed_before_forward")), "plain": best()}
+    from microspeed import comm
+
+    comm.activate(comm.default_context())  # trace.probe and the module-level calls: the default context's
     trace.probe.watching = True  # instrumented as for the watchdog: no events written
     trace.instrument(pm)
     out["instrumented"] = best()
@@ -177,11 +180,13 @@ def collective_wrapper_us(repeat: int = 5) -> dict[str, float]:
     measurement (restored after), so only microspeed's wrapper is timed.
     """
     from microspeed import comm
+    from microspeed.comm import collectives
 
+    comm.activate(comm.default_context())
     tensor = torch.zeros(1024)
-    real_all_reduce, real_world = comm.dist.all_reduce, comm.get_world_size
-    comm.dist.all_reduce = lambda *a, **k: None
-    comm.get_world_size = lambda group=None: 2
+    real_all_reduce, real_world = collectives.dist.all_reduce, collectives.get_world_size
+    collectives.dist.all_reduce = lambda *a, **k: None
+    collectives.get_world_size = lambda group=None: 2
     try:
         def best(fn: Any) -> float:
             timer = timeit.Timer(fn)
@@ -190,12 +195,13 @@ def collective_wrapper_us(repeat: int = 5) -> dict[str, float]:
 
         def without_observers(tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
             """The wrapper as it was before observers existed (byte count, then the call)."""
-            if comm.get_world_size(group) == 1:
+            if collectives.get_world_size(group) == 1:
                 return None
             comm.stats.record("all_reduce", comm._nbytes(tensor))
-            return comm.dist.all_reduce(tensor, op=op or comm.dist.ReduceOp.SUM, group=group, async_op=async_op)
+            return collectives.dist.all_reduce(tensor, op=op or collectives.dist.ReduceOp.SUM, group=group,
+                                               async_op=async_op)
 
-        out = {"noop_call": best(lambda: comm.dist.all_reduce(tensor)),
+        out = {"noop_call": best(lambda: collectives.dist.all_reduce(tensor)),
                "no_observers_build": best(lambda: without_observers(tensor)),
                "off": best(lambda: comm.all_reduce(tensor))}
         with tempfile.TemporaryDirectory() as d:
@@ -203,7 +209,7 @@ def collective_wrapper_us(repeat: int = 5) -> dict[str, float]:
             out["traced"] = best(lambda: comm.all_reduce(tensor))
             trace.stop()
     finally:
-        comm.dist.all_reduce, comm.get_world_size = real_all_reduce, real_world
+        collectives.dist.all_reduce, collectives.get_world_size = real_all_reduce, real_world
         comm.stats.reset()
     return out
 
@@ -223,12 +229,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "B": make_engine(copy.deepcopy(base), args.micro),
             "C": make_engine(copy.deepcopy(base), args.micro, trace={"enabled": True, "output_path": trace_dir}),
         }
-        assert "tracing" not in engines["A"].plugins.names() and trace.probe.is_attached(engines["C"].plugins)
-        assert not trace.probe.is_attached(engines["B"].plugins)
+        probe_c = trace.probe_for(engines["C"].plugin_state("comms_logger"))  # each engine has its own probe
+        assert "tracing" not in engines["A"].plugins.names() and probe_c.is_attached(engines["C"].plugins)
+        assert not trace.probe_for(engines["B"].plugin_state("comms_logger")).is_attached(engines["B"].plugins)
         same_path = identical_dispatch(engines["A"], engines["B"])
         t_start = time.perf_counter()
         times, cpu = run_rotation(engines, batches, args.warmup)
-        trace.stop()
+        trace.stop(engines["C"].plugin_state("comms_logger"))
         path = os.path.join(trace_dir, "rank0.jsonl")
         with open(path) as f:
             events = [json.loads(line) for line in f]
@@ -240,9 +247,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # Phase 2: the watchdog's instrumentation alone (tracing is stopped, so nothing is written).
     engines2 = {"A": engines["A"], "D": make_engine(copy.deepcopy(base), args.micro, watchdog={"timeout_s": 600})}
-    assert trace.probe.is_attached(engines2["D"].plugins) and trace.active() is None
+    context_d = engines2["D"].plugin_state("comms_logger")
+    assert trace.probe_for(context_d).is_attached(engines2["D"].plugins) and trace.active(context_d) is None
     times2, cpu2 = run_rotation(engines2, batches, args.warmup)
-    watchdog.stop()
+    watchdog.stop(context_d)
     train_s = time.perf_counter() - t_start
     micro = hook_call_us()
     coll = collective_wrapper_us()

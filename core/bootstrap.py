@@ -167,6 +167,8 @@ def _agree_on_outcome(error: Exception | None) -> None:
     if comm.get_world_size() == 1:
         return
     mine = None if error is None else f"{type(error).__name__}: {error}"
+    # a rank that never comes ends the wait in a MissingRanksError naming it, within the watchdog's timeout
+    comm.wait_for_ranks("initialize()", comm.current().ranks_timeout_s)
     everyone = comm.all_gather_object(mine)
     if error is not None:
         return
@@ -187,6 +189,8 @@ def _disabled_plugins(raw: dict[str, Any]) -> list[str]:
 def _check_ranks_agree(pm: PluginManager, cfg: Config | None, error: Exception | None) -> None:
     mine = {"plugins": pm.signature(), "config": cfg.digest() if cfg is not None else None,
             "error": None if error is None else f"{type(error).__name__}: {error}"}
+    # a rank that never reaches initialize() ends the wait in a MissingRanksError naming it (watchdog timeout)
+    comm.wait_for_ranks("initialize() rank agreement", comm.context_for(pm).ranks_timeout_s)
     everyone = comm.all_gather_object(mine)
     if error is not None:
         raise error

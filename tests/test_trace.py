@@ -60,7 +60,7 @@ def _traced_rank_body():
     return {"gathered": [t.tolist() for t in out], "flat": flat.tolist(), "buckets": len(reducer.buckets),
             "bucket_bytes": sorted(sum(t.numel() * 4 for t in b.tensors) for b in reducer.buckets),
             "rank": dist.get_rank(), "raw": raw, "comms_summary": comms_summary, "printed": printed.getvalue(),
-            "observers": len(comm.observers())}
+            "observers": [type(o).__name__ for o in comm.observers()]}
 
 
 @pytest.fixture(scope="module")
@@ -219,7 +219,7 @@ def test_comms_logger_counts_bytes_and_bandwidth(traced_run):
         assert s["summary"]["all_reduce"][big]["total_latency_ms"] == pytest.approx(sum(raw["all_reduce"][big][1]))
         assert s["straggler_analysis"]["all_reduce"][big]["count"] == STEPS
         assert s["metadata"]["world_size"] == 2 and s["metadata"]["rank"] == r["rank"]
-        assert r["observers"] == 0  # tracing stopped, comms logger disabled
+        assert r["observers"] == ["Probe"]  # tracing stopped, comms logger disabled; the default watchdog watches
     printed = results[0]["printed"]
     for text in ("Comm. Op", "Message Size", "busbw_avg (Gbps)", "all_reduce", "broadcast", "768.0 B",
                  "Breakdown with straggler effect"):
@@ -249,9 +249,15 @@ def test_tracing_off_writes_nothing_and_attaches_nothing(tmp_path, monkeypatch, 
     assert comm.observers() == ()
     impls = [i for c in vars(engine.plugins.hook).values() if hasattr(c, "get_hookimpls") for i in c.get_hookimpls()]
     assert impls and not any("timed_impl" in getattr(i.function, "__qualname__", "") for i in impls)
-    for name in ("tracing", "comms_logger", "watchdog"):  # no per-step hook: nothing to dispatch when off
+    for name in ("tracing", "watchdog"):  # no per-step hook: nothing to dispatch when off
         assert set(engine.plugins.hooks_of(name)) <= {"microspeed_plugins_loaded", "microspeed_config_sections",
                                                  "microspeed_configure"}
+    # comms_logger makes its engine's comm context current at each entry: one assignment, no observer
+    assert set(engine.plugins.hooks_of("comms_logger")) == {
+        "microspeed_plugins_loaded", "microspeed_config_sections", "microspeed_configure", "microspeed_setup",
+        "microspeed_before_forward", "microspeed_before_backward", "microspeed_before_step",
+        "microspeed_before_checkpoint_save", "microspeed_load_checkpoint"}
+    assert comm.current() is engine.plugin_state("comms_logger") is comm.context_for(engine.plugins)
 
 
 class Bomb:
@@ -278,7 +284,9 @@ def test_config_enabled_trace_records_exceptions(tmp_path, tiny_model, base_conf
     bomb = Bomb()
     cfg = dict(base_config, trace={"enabled": True, "output_path": str(tmp_path / "t")})
     engine, *_ = microspeed.initialize(model=tiny_model, config=cfg, plugins=[("bomb", bomb)])
-    assert trace.active() is not None and trace.probe.is_attached(engine.plugins)
+    probe = trace.probe_for(comm.context_for(engine.plugins))
+    assert trace.active() is probe.tracer is not None and probe.is_attached(engine.plugins)
+    assert not trace.probe.is_attached(engine.plugins)  # the default context's probe is not this engine's
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     engine.backward(engine(x, y))
     engine.step()
@@ -293,7 +301,7 @@ def test_config_enabled_trace_records_exceptions(tmp_path, tiny_model, base_conf
     engine.backward(engine(x, y))  # the probe's stacks are balanced again after the failures
     engine.step()
     trace.stop()
-    assert not trace.probe.is_attached(engine.plugins) and comm.observers() == ()
+    assert not probe.is_attached(engine.plugins) and comm.observers() == ()
 
     events = _events(str(tmp_path / "t"), 0)
     hooks = [e for e in events if e["event"] == "hook"]
@@ -307,4 +315,4 @@ def test_config_enabled_trace_records_exceptions(tmp_path, tiny_model, base_conf
     assert len(on_exc) == 2 and [e["depth"] for e in on_exc] == [0, 0]
     assert all(e["depth"] in (0, 1) for e in hooks)  # nothing left dangling on the stack
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2]
-    assert trace.probe.main_stack == []
+    assert probe.main_stack == []

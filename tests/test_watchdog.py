@@ -93,12 +93,17 @@ class Sleeper:
 
 def test_watchdog_sees_a_hook_past_the_timeout(tiny_model, base_config):
     reports, fired = [], threading.Event()
-    wd = watchdog.start(60.0, on_timeout=lambda report: (reports.append(report), fired.set()), poll_s=0.05)
+    sleeper = Sleeper()
+    cfg = dict(base_config, watchdog={"timeout_s": 60.0})
+    engine, *_ = microspeed.initialize(model=tiny_model, config=cfg, plugins=[("sleeper", sleeper)])
+    context = engine.plugin_state("comms_logger")
+    wd = watchdog.current(context)
+    probe = trace.probe_for(context)
     try:
-        sleeper = Sleeper()
-        cfg = dict(base_config, watchdog={"timeout_s": 60.0})
-        engine, *_ = microspeed.initialize(model=tiny_model, config=cfg, plugins=[("sleeper", sleeper)])
-        assert watchdog.current() is wd and trace.probe.is_attached(engine.plugins)
+        assert wd is not None and wd.timeout_s == 60.0 and wd.probe is probe and probe.is_attached(engine.plugins)
+        assert watchdog.current(comm.default_context()) is None  # the engine's own, not the process's
+        wd.on_timeout = lambda report: (reports.append(report), fired.set())
+        wd.poll_s = 0.05
         x, y = torch.randn(4, 8), torch.randn(4, 1)
         engine.backward(engine(x, y))
         engine.step()  # a first step (lazy imports on a loaded machine) under a generous timeout
@@ -111,8 +116,8 @@ def test_watchdog_sees_a_hook_past_the_timeout(tiny_model, base_config):
         engine.step()
         assert fired.wait(3.0)
     finally:
-        watchdog.stop()
-    assert watchdog.current() is None and comm.observers() == () and not trace.probe.is_attached(engine.plugins)
+        watchdog.stop(context)
+    assert watchdog.current(context) is None and context.observers == () and not probe.is_attached(engine.plugins)
     report = reports[0]
     assert "rank 0 has been in hook before_step (plugin sleeper)" in report
     assert "straggler: rank 0" in report and "stuck in hook before_step (plugin sleeper)" in report
@@ -214,3 +219,94 @@ def test_store_exchange_answers_and_exited_ranks():
         assert wd3._next_alarm == 2
     finally:
         wd3.stop()
+
+
+# ------------------------------------------------------------------------------ on by default
+
+
+def test_default_timeout_and_how_to_change_it(monkeypatch):
+    monkeypatch.delenv(watchdog.ENV_VAR, raising=False)
+    assert watchdog.resolve_timeout(world_size=2) == watchdog.DEFAULT_TIMEOUT_S == 600.0
+    assert watchdog.resolve_timeout(world_size=1) is None  # one rank waits for no other
+    assert watchdog.resolve_timeout(timeout_s=30, world_size=1) == 30.0
+    assert watchdog.resolve_timeout(enabled=False, timeout_s=30, world_size=2) is None
+    monkeypatch.setenv(watchdog.ENV_VAR, "12.5")
+    assert watchdog.resolve_timeout(enabled=False, world_size=1) == 12.5  # the environment wins
+    monkeypatch.setenv(watchdog.ENV_VAR, "off")
+    assert watchdog.resolve_timeout(timeout_s=30, world_size=2) is None
+    monkeypatch.setenv(watchdog.ENV_VAR, "soon")
+    with pytest.raises(ValueError, match=watchdog.ENV_VAR):
+        watchdog.resolve_timeout(world_size=2)
+
+
+def test_section_turns_the_engine_watchdog_on_and_off(tiny_model, base_config, monkeypatch):
+    monkeypatch.delenv(watchdog.ENV_VAR, raising=False)
+    engine, *_ = microspeed.initialize(model=tiny_model, config=base_config)
+    assert watchdog.current(engine.plugin_state("comms_logger")) is None  # one rank, nothing configured
+    engine, *_ = microspeed.initialize(model=tiny_model, config=dict(base_config, watchdog={"timeout_s": 30}))
+    context = engine.plugin_state("comms_logger")
+    try:
+        assert watchdog.current(context).timeout_s == 30.0 and context.ranks_timeout_s == 30.0
+    finally:
+        watchdog.stop(context)
+    engine, *_ = microspeed.initialize(model=tiny_model, config=dict(base_config, watchdog={
+        "enabled": False, "timeout_s": 30}))
+    assert watchdog.current(engine.plugin_state("comms_logger")) is None
+    monkeypatch.setenv(watchdog.ENV_VAR, "soon")
+    with pytest.raises(microspeed.ConfigError, match=watchdog.ENV_VAR):
+        microspeed.initialize(model=tiny_model, config=base_config)
+
+
+def _unconfigured_hanging_rank_body():
+    """As ``_hanging_rank_body`` with no watchdog section: only the default (timeout from the environment)."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "steps_per_print": 1000}
+    torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1).step()  # the slow first-use imports, before
+    torch.distributed.barrier()  # initialize(), whose rank agreement waits TIMEOUT_S at most for a rank
+    torch.manual_seed(0)
+    engine, *_ = microspeed.initialize(model=torch.nn.Linear(4, 1), config=cfg, plugins=[("fault", SkipCollective)])
+    torch.distributed.barrier()  # not watched: ranks may leave initialize() seconds apart on a loaded machine
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+    time.sleep(60)
+
+
+def test_hung_rank_with_no_watchdog_configured_ends_with_the_report(capfd):
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_unconfigured_hanging_rank_body, world_size=2, timeout=50, grace_period=1.0,
+                        env={watchdog.ENV_VAR: str(TIMEOUT_S), trace.ENV_VAR: ""})
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert [(f.rank, f.exitcode) for f in err.failures if f.kind == "died"] == [(0, watchdog.EXIT_CODE)]
+    assert not err.timed_out and elapsed < 45
+    screen = capfd.readouterr().err
+    assert "microspeed watchdog: rank 0 has been in all_reduce #" in screen
+    assert f"(timeout_s={TIMEOUT_S:g}); stopping the job" in screen
+    assert "straggler: rank 1" in screen and "rank 1: outside hooks and collectives, did not join" in screen
+    assert "time.sleep(60)" in screen  # where rank 1 is
+
+
+def _late_rank_body(delay_s):
+    """Rank 1 does not come to initialize() for ``delay_s``; rank 0 reports who it waited for, and when."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(delay_s)
+        return None
+    start = time.monotonic()
+    try:
+        microspeed.initialize(model=torch.nn.Linear(4, 1), config={"train_batch_size": 2})
+    except comm.MissingRanksError as exc:
+        return {"error": str(exc), "missing": exc.missing, "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_rank_that_never_reaches_initialize_is_named_within_the_timeout():
+    results = run_distributed(_late_rank_body, world_size=2, args=(12.0,), timeout=60,
+                              env={watchdog.ENV_VAR: "2", trace.ENV_VAR: ""})
+    got = results[0]
+    assert got["missing"] == [1], got
+    assert "initialize() rank agreement: rank 1 of 2 did not arrive within 2 s" in got["error"]
+    assert 1.9 < got["seconds"] < 8.0  # the watchdog timeout, not gloo's 30 minutes

@@ -1,4 +1,4 @@
-"""The ``trace`` section: hook-level tracing, one JSON-lines file per rank (see :mod:`microspeed.observe.trace`).
+"""The ``trace`` section: this engine's hook-level tracing, one JSON-lines file per rank (see trace.py).
 
 ``MICROSPEED_TRACE=<dir>`` turns tracing on when the plugins are loaded (so ``initialize()`` is
 traced too) and wins over the config; ``"trace": {"enabled": true, "output_path": "<dir>"}``
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from microspeed import comm
 from microspeed.config import Field, Section
 from microspeed.hookspecs import hookimpl
 from microspeed.observe import trace
 
 
 class TracingPlugin:
-    """Starts the process's tracer and instruments this engine's plugin manager when asked to."""
+    """Starts its engine's tracer and instruments the engine's plugin manager when asked to."""
 
     def __init__(self) -> None:
         self.plugins: Any = None
@@ -29,8 +30,9 @@ class TracingPlugin:
         directory = trace.env_directory()
         if directory is not None:
             self.directory = directory
-            trace.start(directory)
-            trace.instrument(plugins)
+            context = comm.context_for(plugins)
+            trace.start(directory, context=context)
+            trace.instrument(plugins, context=context)
 
     @hookimpl
     def microspeed_config_sections(self) -> dict:
@@ -51,6 +53,7 @@ class TracingPlugin:
         if self.directory is not None or not section["enabled"]:
             return
         self.directory = section["output_path"] or trace.DEFAULT_DIR
-        trace.start(self.directory)
+        context = comm.context_for(self.plugins) if self.plugins is not None else comm.current()
+        trace.start(self.directory, context=context)
         if self.plugins is not None:
-            trace.instrument(self.plugins)
+            trace.instrument(self.plugins, context=context)

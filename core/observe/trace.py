@@ -6,12 +6,15 @@ by ``MICROSPEED_TRACE=<dir>`` (read when the plugins are loaded, so ``initialize
 traced) or by the config section ``"trace": {"enabled": true, "output_path": "<dir>"}`` (from
 ``configure`` on); the built-in ``tracing`` plugin does that (:mod:`microspeed.builtin.tracing`).
 
-When on, the process-wide :data:`probe`:
+Each engine has its own :class:`Probe` (:func:`probe_for` its :class:`~microspeed.comm.CommContext`), so
+two engines in one process trace (or not) independently; code outside engines uses the default
+context's (:data:`probe`). The module-level :func:`start`, :func:`stop`, :func:`active` and
+:func:`instrument` act on the current context's probe (:func:`microspeed.comm.current`). When on, a probe:
 
 * watches every hook call of the engine's plugin manager (pluggy's ``add_hookcall_monitoring``;
   chain hooks run through pluggy's call loop too) and times each implementation (its function is
   wrapped while tracing is on);
-* observes every collective of :mod:`microspeed.comm` (:class:`microspeed.comm.CollectiveObserver`);
+* observes every collective of its context (:class:`microspeed.comm.CollectiveObserver`);
 * keeps, per thread, the stack of hook calls and collectives in progress: what the watchdog
   (:mod:`microspeed.observe.watchdog`) reads to say where a rank hangs.
 
@@ -119,7 +122,7 @@ class _Attachment:
 
 
 class Probe(comm.CollectiveObserver):
-    """The process-wide instrumentation shared by tracing and the watchdog.
+    """The instrumentation of one context (one engine), shared by its tracing and its watchdog.
 
     :meth:`attach` instruments a plugin manager; :meth:`observe_comm` subscribes to collectives.
     ``tracer`` (a :class:`Tracer` or ``None``) receives events; ``main_stack`` is the main
@@ -128,10 +131,11 @@ class Probe(comm.CollectiveObserver):
     turns true at the first ``before_forward`` (the watchdog times hooks from then on).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, context: comm.CommContext | None = None) -> None:
         self.tracer: Tracer | None = None
         self.watching = False
-        self.engine: Any = None
+        self._context = weakref.ref(context or comm.default_context())  # the context owns the probe
+        self._engine: Any = None
         self.main_stack: list[Frame] = []
         self.last: tuple[str, int] | None = None
         self.training = False
@@ -141,6 +145,20 @@ class Probe(comm.CollectiveObserver):
         self._step_t0: int | None = None
 
     # -- state -----------------------------------------------------------------------------
+
+    @property
+    def context(self) -> comm.CommContext:
+        """The communication context whose collectives this probe observes (the default one once it is gone)."""
+        return self._context() or comm.default_context()
+
+    @property
+    def engine(self) -> Any:
+        """The engine whose hooks the probe saw last (held weakly), or ``None``."""
+        return self._engine() if self._engine is not None else None
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        self._engine = weakref.ref(engine) if engine is not None else None
 
     @property
     def active(self) -> bool:
@@ -197,11 +215,11 @@ class Probe(comm.CollectiveObserver):
             self.detach(pm)
 
     def observe_comm(self, on: bool) -> None:
-        """Subscribe to (or leave) :mod:`microspeed.comm`'s collectives."""
+        """Subscribe to (or leave) the collectives of the probe's context."""
         if on:
-            comm.add_observer(self)
+            self.context.add_observer(self)
         else:
-            comm.remove_observer(self)
+            self.context.remove_observer(self)
 
     def release_if_unused(self) -> None:
         """Detach everything when neither tracing nor the watchdog needs the probe any more."""
@@ -239,7 +257,7 @@ class Probe(comm.CollectiveObserver):
 
     def _before(self, hook_name: str, hook_impls: Any, kwargs: Any) -> None:
         engine = kwargs.get("engine")
-        if engine is not None:
+        if engine is not None and (self._engine is None or self._engine() is not engine):
             self.engine = engine
         stack = self._stack()
         t = _perf()
@@ -307,8 +325,16 @@ class Probe(comm.CollectiveObserver):
                 self.last = (call.op, t_end)
 
 
-probe = Probe()
-"""The process's probe (one process is one rank)."""
+def probe_for(context: comm.CommContext | None = None) -> Probe:
+    """The probe of ``context`` (default: the current one), made on first use."""
+    context = context or comm.current()
+    if context.probe is None:
+        context.probe = Probe(context)
+    return context.probe
+
+
+probe = probe_for(comm.default_context())
+"""The default context's probe: tracing and the watchdog of code outside engines."""
 
 
 _ENCODER = json.JSONEncoder(default=repr, separators=(",", ":"))
@@ -322,8 +348,11 @@ def _encode(event_dict: dict[str, Any], **_: Any) -> str:
 class Tracer:
     """Writes trace events as JSON lines to ``<directory>/rank<rank>.jsonl`` through structlog."""
 
-    def __init__(self, directory: str, rank: int | None = None, world_size: int | None = None) -> None:
+    def __init__(self, directory: str, rank: int | None = None, world_size: int | None = None,
+                 probe: Probe | None = None) -> None:
         from microspeed import __version__
+
+        self.probe = probe or globals()["probe"]
 
         self.directory = os.path.abspath(directory)
         self.rank = comm.get_rank() if rank is None else rank
@@ -339,7 +368,8 @@ class Tracer:
         ).bind()  # the bound logger itself, not the lazy proxy that binds again on every call
         self.perf_ns0, self.wall_ns0 = _perf(), time.time_ns()
         self.closed = False
-        self._bytes_seen = (comm.stats.total_bytes(), comm.stats.total_wire_bytes())
+        stats = self.probe.context.stats
+        self._bytes_seen = (stats.total_bytes(), stats.total_wire_bytes())
         self.emit("trace_start", self.perf_ns0, world_size=self.world_size, pid=os.getpid(),
                   host=socket.gethostname(), perf_ns0=self.perf_ns0, wall_ns0=self.wall_ns0, version=__version__)
 
@@ -347,7 +377,7 @@ class Tracer:
         """Write one event that started at ``t_ns`` (``perf_counter_ns``), with rank and step numbers added."""
         if self.closed:
             return
-        engine = probe.engine
+        engine = self.probe.engine
         self.log.msg(
             event, rank=self.rank,
             step=getattr(engine, "global_steps", None), micro_step=getattr(engine, "micro_steps", None),
@@ -399,7 +429,8 @@ class Tracer:
 
     def step(self, engine: Any, t0: int, t_end: int) -> None:
         """Write a ``step`` event (the optimizer step that just ended), with the bytes it moved."""
-        payload, wire = comm.stats.total_bytes(), comm.stats.total_wire_bytes()
+        stats = self.probe.context.stats
+        payload, wire = stats.total_bytes(), stats.total_wire_bytes()
         last_payload, last_wire = self._bytes_seen
         if payload < last_payload or wire < last_wire:  # the stats were reset meanwhile
             last_payload = last_wire = 0
@@ -425,36 +456,39 @@ class Tracer:
         self._file.close()
 
 
-def start(directory: str) -> Tracer:
-    """Turn tracing on for this process, writing under ``directory`` (returns the running tracer if it is the same).
+def start(directory: str, context: comm.CommContext | None = None) -> Tracer:
+    """Turn tracing on for ``context`` (default: the current one), writing under ``directory``.
 
-    Instrument a plugin manager with :func:`instrument`. Starting with another directory closes
-    the previous file.
+    Returns the running tracer if it writes there already; starting with another directory closes
+    the previous file. Instrument a plugin manager with :func:`instrument`.
     """
-    current = probe.tracer
+    p = probe_for(context)
+    current = p.tracer
     if current is not None and not current.closed and current.directory == os.path.abspath(directory):
         return current
     if current is not None:
         current.close()
-    probe.tracer = Tracer(directory)
-    probe.observe_comm(True)
-    return probe.tracer
+    p.tracer = Tracer(directory, probe=p)
+    p.observe_comm(True)
+    return p.tracer
 
 
-def instrument(pm: Any) -> None:
-    """Attach the probe to a plugin manager (tracing or the watchdog is on)."""
-    probe.attach(pm)
-    probe.observe_comm(True)
+def instrument(pm: Any, context: comm.CommContext | None = None) -> None:
+    """Attach the probe of ``context`` (default: the current one) to a plugin manager (tracing or watchdog on)."""
+    p = probe_for(context)
+    p.attach(pm)
+    p.observe_comm(True)
 
 
-def stop() -> None:
-    """Turn tracing off: close the file; detach everything unless the watchdog still needs it."""
-    tracer, probe.tracer = probe.tracer, None
+def stop(context: comm.CommContext | None = None) -> None:
+    """Turn tracing off for ``context`` (default: the current one); detach everything unless its watchdog needs it."""
+    p = probe_for(context)
+    tracer, p.tracer = p.tracer, None
     if tracer is not None:
         tracer.close()
-    probe.release_if_unused()
+    p.release_if_unused()
 
 
-def active() -> Tracer | None:
-    """The running tracer, or ``None`` when tracing is off."""
-    return probe.tracer
+def active(context: comm.CommContext | None = None) -> Tracer | None:
+    """The tracer of ``context`` (default: the current one), or ``None`` when its tracing is off."""
+    return probe_for(context).tracer

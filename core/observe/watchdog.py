@@ -1,7 +1,8 @@
 """Hang diagnosis: a per-rank watchdog that turns a hang into a report naming the stragglers.
 
-With ``"watchdog": {"timeout_s": N}`` every rank runs a daemon thread that watches what the main
-thread is doing, through the same instrumentation as tracing (:data:`microspeed.observe.trace.probe`):
+On by default for multi-rank jobs (:data:`DEFAULT_TIMEOUT_S`, 10 minutes): every rank runs a daemon
+thread that watches what the main thread is doing, through the same instrumentation as tracing (its
+engine's :class:`~microspeed.observe.trace.Probe`):
 the hook call (and the plugin running in it) or the collective of :mod:`microspeed.comm` in
 progress, and since when. Code outside hooks and collectives (the model's forward, the user's
 loop) is never timed.
@@ -23,6 +24,12 @@ When a rank has been in one collective or one hook for more than ``timeout_s`` s
 
 The launcher (torchrun) then stops the other ranks. Set ``timeout_s`` above the longest hook of
 a healthy step (the ``backward`` hook runs the whole backward pass) and its longest collective.
+
+Changing it: ``"watchdog": {"timeout_s": 120}`` (any world size, one rank included),
+``"watchdog": {"enabled": false}`` (off), or the environment variable ``MICROSPEED_WATCHDOG_TIMEOUT``
+(seconds; ``0`` or ``off``: off), which wins over the config. The same timeout bounds how long
+``initialize()``'s rank agreement waits for a rank that never comes (:func:`microspeed.comm.wait_for_ranks`).
+Each engine has its own watchdog (its context's ``watchdog``), stopped when the engine is collected.
 """
 
 from __future__ import annotations
@@ -35,12 +42,22 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from microspeed import comm
 from microspeed.observe import trace
+
+DEFAULT_TIMEOUT_S = 600.0
+"""The default timeout: torch's own for NCCL collectives (``default_pg_nccl_timeout``), so no healthy job
+that runs on NCCL today is stopped, while a hang on gloo (30 minutes) or in a hook ends three times sooner,
+with a report naming the stragglers. Long single operations (checkpoint writes of very large models, a first
+JIT compile on one rank) fit in it; set it higher for jobs with longer ones."""
+
+ENV_VAR = "MICROSPEED_WATCHDOG_TIMEOUT"
+"""Environment variable: the timeout in seconds (wins over the config); ``0``/``off``/``false``: off."""
 
 EXIT_CODE = 86
 """Exit code of a rank that the watchdog stopped."""
@@ -119,6 +136,42 @@ class RankState:
         return cls(**known)
 
 
+def env_timeout() -> float | None:
+    """The timeout :data:`ENV_VAR` sets: seconds, ``0.0`` for off, ``None`` when unset.
+
+    Raises ``ValueError`` naming the variable for anything else.
+    """
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value == "":
+        return None
+    if value in ("0", "off", "false", "no"):
+        return 0.0
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected a number of seconds, or 0/off to turn the watchdog off") \
+            from None
+    if seconds < 0:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected a positive number of seconds, or 0/off")
+    return seconds
+
+
+def resolve_timeout(enabled: bool = True, timeout_s: float | None = None, world_size: int = 1) -> float | None:
+    """The timeout the watchdog runs with, or ``None`` (off).
+
+    :data:`ENV_VAR` wins; else off when ``enabled`` is false; else ``timeout_s`` when given (any world
+    size); else :data:`DEFAULT_TIMEOUT_S` when there is more than one rank (one rank cannot wait for another).
+    """
+    env = env_timeout()
+    if env is not None:
+        return env or None
+    if not enabled:
+        return None
+    if timeout_s is not None:
+        return float(timeout_s)
+    return DEFAULT_TIMEOUT_S if world_size > 1 else None
+
+
 # --------------------------------------------------------------------------------------------
 # Capturing and judging states
 # --------------------------------------------------------------------------------------------
@@ -135,7 +188,7 @@ def _filtered_stack(frame: Any) -> str:
 
 def capture(rank: int | None = None, probe: trace.Probe | None = None, now_ns: int | None = None) -> RankState:
     """The state of this process's main thread now (what the watchdog publishes)."""
-    probe = probe or trace.probe
+    probe = probe or trace.probe_for()
     rank = comm.get_rank() if rank is None else rank
     now = time.perf_counter_ns() if now_ns is None else now_ns
     stack = list(probe.main_stack)
@@ -156,7 +209,7 @@ def capture(rank: int | None = None, probe: trace.Probe | None = None, now_ns: i
     engine = probe.engine
     state.step = getattr(engine, "global_steps", None)
     state.micro_step = getattr(engine, "micro_steps", None)
-    state.counts = comm.collective_counts()
+    state.counts = comm.collective_counts(probe.context)
     main = threading.main_thread().ident
     state.stack = _filtered_stack(sys._current_frames().get(main))
     return state
@@ -321,13 +374,18 @@ class Watchdog:
         self.on_timeout = on_timeout or _exit_process
         self.poll_s = poll_s if poll_s is not None else max(0.05, min(0.5, self.timeout_s / 5))
         self.gather_s = gather_s if gather_s is not None else max(1.0, min(5.0, 4 * self.poll_s + 0.5))
-        self.probe = probe or trace.probe
+        self._probe = weakref.ref(probe or trace.probe_for())  # its context owns the probe: no cycle through us
         self.report: str | None = None
         self._next_alarm = 1
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors = 0
+
+    @property
+    def probe(self) -> trace.Probe:
+        """The probe watched (the default context's once the engine's is gone)."""
+        return self._probe() or trace.probe
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -352,6 +410,9 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stopped.wait(self.poll_s):
+            if self._probe() is None:  # its engine is gone
+                self._stopped.set()
+                return
             try:
                 state = self.overdue()
                 if state is not None:
@@ -381,7 +442,7 @@ class Watchdog:
             states.update(self._gather(state))
         for r in range(self.world_size):
             states.setdefault(r, RankState(r, "no answer"))
-        tracer = trace.active()
+        tracer = self.probe.tracer
         path = os.path.join(tracer.directory, f"watchdog_rank{self.rank}.txt") if tracer is not None else None
         ordered = [states[r] for r in sorted(states)]
         self.report = format_report(ordered, self.rank, self.timeout_s, report_path=path)
@@ -444,7 +505,7 @@ class Watchdog:
                 store.set(STORE_PREFIX + f"state/{n}/{self.rank}", state.to_json())
             print(f"microspeed watchdog: rank {alarm.get('rank')} reported a hang ({alarm.get('where')}); "
                   f"rank {self.rank} is {state.where()}", file=sys.stderr, flush=True)
-            tracer = trace.active()
+            tracer = self.probe.tracer
             if tracer is not None:
                 tracer.emit("watchdog", time.perf_counter_ns(), role="answer", alarm_from=alarm.get("rank"),
                             state=asdict(state))
@@ -458,7 +519,7 @@ class Watchdog:
         engine = self.probe.engine
         state.step = getattr(engine, "global_steps", None)
         state.micro_step = getattr(engine, "micro_steps", None)
-        state.counts = comm.collective_counts()
+        state.counts = comm.collective_counts(self.probe.context)
         try:
             if self._lock.acquire(timeout=1.0):
                 try:
@@ -500,36 +561,39 @@ def _make_store(world_size: int, timeout_s: float) -> Any:
     return store
 
 
-_current: Watchdog | None = None
+def start(timeout_s: float, context: comm.CommContext | None = None, **kwargs: Any) -> Watchdog:
+    """Start the watchdog of ``context`` (default: the current one), or set its running one's timeout.
 
-
-def start(timeout_s: float, **kwargs: Any) -> Watchdog:
-    """Start this process's watchdog (or set the running one's timeout) and mark the probe as needed.
-
-    The caller instruments its plugin manager with :func:`microspeed.observe.trace.instrument`.
+    Marks the context's probe as needed; the caller instruments its plugin manager with
+    :func:`microspeed.observe.trace.instrument`. The thread stops when the context is collected.
     """
-    global _current
-    if _current is not None and not _current._stopped.is_set():
-        _current.timeout_s = float(timeout_s)
-        return _current
-    trace.probe.watching = True
-    trace.probe.observe_comm(True)
+    context = context or comm.current()
+    running = context.watchdog
+    if running is not None and not running._stopped.is_set():
+        running.timeout_s = float(timeout_s)
+        return running
+    probe = trace.probe_for(context)
+    probe.watching = True
+    probe.observe_comm(True)
     world = comm.get_world_size()
     kwargs.setdefault("store", _make_store(world, timeout_s))
-    _current = Watchdog(timeout_s, world_size=world, **kwargs).start()
-    return _current
+    wd = context.watchdog = Watchdog(timeout_s, world_size=world, probe=probe, **kwargs).start()
+    weakref.finalize(context, wd._stopped.set)
+    return wd
 
 
-def stop() -> None:
-    """Stop this process's watchdog; detach the probe unless tracing still needs it."""
-    global _current
-    if _current is not None:
-        _current.stop()
-        _current = None
-    trace.probe.watching = False
-    trace.probe.release_if_unused()
+def stop(context: comm.CommContext | None = None) -> None:
+    """Stop the watchdog of ``context`` (default: the current one); detach its probe unless tracing needs it."""
+    context = context or comm.current()
+    if context.watchdog is not None:
+        context.watchdog.stop()
+        context.watchdog = None
+    probe = trace.probe_for(context)
+    probe.watching = False
+    probe.release_if_unused()
 
 
-def current() -> Watchdog | None:
-    """The running watchdog, or ``None``."""
-    return _current
+def current(context: comm.CommContext | None = None) -> Watchdog | None:
+    """The running watchdog of ``context`` (default: the current one), or ``None``."""
+    wd = (context or comm.current()).watchdog
+    return wd if wd is not None and not wd._stopped.is_set() else None

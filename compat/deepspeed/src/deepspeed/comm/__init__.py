@@ -19,7 +19,6 @@ from microspeed.comm import (
     all_to_all_single,
     barrier,
     broadcast,
-    comms_logger,
     configure,
     destroy_process_group,
     get_all_ranks_from_group,
@@ -58,6 +57,10 @@ def has_all_reduce_coalesced() -> bool:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "comms_logger":  # the current engine's (microspeed.comm.comms_logger), looked up on each access
+        from microspeed import comm as _comm
+
+        return _comm.comms_logger
     if name in TORCH_NAMES:
         return getattr(_dist, name)
     from deepspeed import _aliases
