@@ -170,7 +170,7 @@ class PluginManager(pluggy.PluginManager):
                 hints.append(f"{hook} (did you mean {close[0]}?)" if close else f"{hook} (no hook is close)")
             raise PluginError(f"plugin {name!r} ({source}) implements hooks that do not exist: {'; '.join(hints)}. "
                               f"Rename them; every hook is listed in microspeed.hookspecs (and by "
-                              f"`microspeed hooks`).")
+                              f"`microspeed plugins --hooks`).")
         self.infos[name] = PluginInfo(name, version, source, instance)
         return instance
 
