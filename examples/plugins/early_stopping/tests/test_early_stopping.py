@@ -179,6 +179,7 @@ def _train_on_two_ranks(patience: int) -> dict:
             "stopped_at": _state(engine).stopped_at}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_ranks_agree_on_the_loss_and_stop_at_the_same_step():
     rank0, rank1 = run_distributed(_train_on_two_ranks, world_size=2, args=(3,))
