@@ -77,6 +77,7 @@ def _events(directory, rank, kind=None):
     return [e for e in events if kind is None or e["event"] == kind]
 
 
+@pytest.mark.slow
 def test_two_rank_trace_files_hold_hooks_collectives_and_steps(traced_run):
     directory, results = traced_run
     assert sorted(os.listdir(directory)) == ["rank0.jsonl", "rank1.jsonl"]
