@@ -217,6 +217,7 @@ def second_run(saved, tmp_path_factory):
     return ds_root, results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_on_the_same_world_size_is_exact(saved, second_run):
     """2 ranks -> save at 5 -> a fresh 2-rank group loads -> steps 6..10 equal the straight run, bit for bit."""
@@ -233,6 +234,7 @@ def test_resume_on_the_same_world_size_is_exact(saved, second_run):
     assert fp16[1] != 2.0 ** 6 and got[0]["fp16"]["scale_after_load"] == fp16[1]  # the scaler moved and came back
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_resume_on_other_world_sizes(saved):
     """2 -> 4 and 2 -> 1, and a 4-rank checkpoint -> 1: same global batches, same losses (float rounding)."""
