@@ -151,6 +151,7 @@ CLIENT_IMPORTS = {
 }
 
 
+@pytest.mark.slow
 def test_every_mapped_module_imports_from_microspeed():
     """Each DeepSpeed path clients import resolves, with the names they take, to microspeed (nothing real loaded)."""
     proc = _run(f"""
@@ -192,6 +193,7 @@ CLIENT_CHAINS = ["deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES", "deepspeed
                  "deepspeed.runtime.utils.move_to_device", "deepspeed.checkpoint.utils.clone_tensors_for_torch_save"]
 
 
+@pytest.mark.slow
 def test_attribute_chains_after_a_bare_import():
     proc = _run(f"""
         import json
@@ -209,6 +211,7 @@ def test_attribute_chains_after_a_bare_import():
     assert _line(proc.stdout, "REAL") == []
 
 
+@pytest.mark.slow
 def test_zero_names_follow_the_zero_plugin():
     """ZeRO-3 helpers (leaf modules, external parameters) resolve lazily, exactly when microspeed.zero has them."""
     names = ["set_z3_leaf_modules", "get_z3_leaf_modules", "unset_z3_leaf_modules", "register_external_parameter",
@@ -284,6 +287,7 @@ def test_initialize_refuses_a_real_module_loaded_after_the_standin():
     assert real_file in line and os.path.join(STANDIN, "deepspeed", "__init__.py") in line
 
 
+@pytest.mark.slow
 def test_mixing_refused_for_a_merged_install(tmp_path):
     """Real DeepSpeed's files inside the stand-in's folder (two pip installs merged) are refused, naming both."""
     import shutil
@@ -615,6 +619,7 @@ print("OUT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_deepspeed_config_objects_read_with_microspeeds_parser():
     proc = _run(CONFIG_OBJECTS)
     assert proc.returncode == 0, proc.stderr
@@ -671,6 +676,7 @@ print("OUT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_monitors_op_builders_and_expert_rank_layout():
     proc = _run(MONITORS_AND_OPS)
     assert proc.returncode == 0, proc.stderr
