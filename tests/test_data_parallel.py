@@ -68,6 +68,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 def test_data_parallel_matches_single_process(world):
@@ -128,6 +129,7 @@ def _broadcast_body():
     return engine.module.weight.detach().clone()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_initial_weights_are_broadcast_from_rank0():
     w0, w1 = run_distributed(_broadcast_body, world_size=2, timeout=100)
