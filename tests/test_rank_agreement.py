@@ -75,6 +75,7 @@ def _bad_config_on_rank1():
     return type(info.value).__name__, str(info.value)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_config_error_on_one_rank_is_raised_on_every_rank():
     (t0, m0), (t1, m1) = run_distributed(_bad_config_on_rank1, world_size=2, timeout=90)
