@@ -152,6 +152,7 @@ def _hanging_rank_body(timeout_s):
     time.sleep(60)  # rank 1 gets here and moves on to other work; rank 0 is stuck in the second before_step
 
 
+@pytest.mark.slow
 def test_skipped_collective_fails_the_job_with_a_report_naming_the_rank(tmp_path, capfd):
     directory = str(tmp_path / "trace")
     start = time.monotonic()
