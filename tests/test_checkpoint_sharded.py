@@ -51,6 +51,7 @@ def _save_or_load(mode, path, shape):
     return torch.equal(local.float(), expect.bfloat16().float())
 
 
+@pytest.mark.slow
 def test_flat_shards_reload_under_other_world_sizes(tmp_path):
     """Saved by 4 ranks (rank 3 holds nothing), read back by 3 ranks (cast to bf16) and as one plain tensor."""
     import torch.distributed.checkpoint as dcp
