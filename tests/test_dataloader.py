@@ -132,6 +132,7 @@ def _sharding_body(n):
     return epochs, _epoch(again), len(loader)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_ranks_see_disjoint_shards_covering_the_dataset():
     n = 20
