@@ -179,6 +179,7 @@ def test_finder_refuses_bad_settings():
         LRFinder(1e-4, float("inf"), 10)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_processes_under_torchrun(tmp_path, script):
     out = tmp_path / "lr2.png"
