@@ -177,6 +177,7 @@ def _two_rank_run(out_dir):
     return writing, [r["samples"] for r in records]
 
 
+@pytest.mark.slow
 def test_only_rank_0_writes(tmp_path):
     results = run_distributed(_two_rank_run, world_size=2, args=(str(tmp_path),), timeout=120)
     assert [w for w, _ in results] == [True, False]
