@@ -105,6 +105,7 @@ def _overflow_on_one_rank():
     return engine.was_step_applied(), engine.metrics["loss_scale"], engine.module.weight.detach().clone()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_overflow_on_one_rank_skips_on_all():
     (a0, s0, w0), (a1, s1, w1) = run_distributed(_overflow_on_one_rank, world_size=2, timeout=100)
