@@ -219,6 +219,7 @@ torch.save({"world": torch.distributed.get_world_size(), "steps": engine.global_
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_cli_run_trains_on_two_processes(tmp_path):
     script = tmp_path / "train.py"
