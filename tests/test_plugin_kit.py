@@ -220,6 +220,7 @@ def _rank_body(steps: int) -> dict:
             "dp": engine.topology.data_parallel_size}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_tiny_engine_inside_run_distributed():
     rank0, rank1 = run_distributed(_rank_body, world_size=2, args=(3,))
