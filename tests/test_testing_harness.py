@@ -116,7 +116,7 @@ def _skip_on_rank1() -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_all_reduce_returns_per_rank_values(world_size: int) -> None:
     out = run_distributed(_all_reduce_rank, world_size=world_size, args=(10.0,))
     expected = 10.0 * world_size * (world_size + 1) / 2
@@ -133,6 +133,7 @@ def test_all_reduce_returns_per_rank_values(world_size: int) -> None:
     assert not _leaked_ranks()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_without_init_process_group_the_body_starts_it_and_env_overrides_apply() -> None:
     out = run_distributed(
@@ -170,6 +171,7 @@ def test_raising_rank_is_reported_and_the_rank_blocked_in_a_collective_does_not_
     assert not _leaked_ranks()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_blocked_rank_is_terminated_after_the_grace_period_with_its_stack(tmp_path: Path) -> None:
     start = time.monotonic()
@@ -188,6 +190,7 @@ def test_blocked_rank_is_terminated_after_the_grace_period_with_its_stack(tmp_pa
     assert not _leaked_ranks()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hanging_rank_times_out() -> None:
     start = time.monotonic()
@@ -205,6 +208,7 @@ def test_hanging_rank_times_out() -> None:
     assert not _leaked_ranks()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_rank_that_exits_without_reporting_is_reported_with_its_exit_code() -> None:
     with pytest.raises(DistributedTestError) as info:
@@ -215,6 +219,7 @@ def test_rank_that_exits_without_reporting_is_reported_with_its_exit_code() -> N
     assert not _leaked_ranks()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_skip_in_a_rank_skips_the_test() -> None:
     with pytest.raises(pytest.skip.Exception, match="rank 1: needs a GPU"):
@@ -283,6 +288,7 @@ def test_decorator_runs_the_test_body_on_every_rank(value: float, tmp_path: Path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
+@pytest.mark.slow
 class TestDecoratedMethod:
     @pytest.mark.timeout(60)
     @distributed(world_size=2, init_process_group=False)
