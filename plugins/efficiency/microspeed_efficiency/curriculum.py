@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 
 SCHEDULE_TYPES = ("fixed_discrete", "fixed_root", "fixed_linear", "custom")
 """Accepted values of ``schedule_type``."""

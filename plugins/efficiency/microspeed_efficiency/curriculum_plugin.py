@@ -31,9 +31,7 @@ from typing import Any
 
 import torch
 
-from microspeed.config import Field, Section
-from microspeed.errors import ConfigError
-from microspeed.hookspecs import hookimpl
+from microspeed.plugin_api import ConfigError, Field, Section, hookimpl
 from microspeed_efficiency.curriculum import SCHEDULE_TYPES, CurriculumScheduler
 
 NAME = "curriculum_learning"

@@ -41,9 +41,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from microspeed.config import Field, Section, non_negative, positive
-from microspeed.errors import ConfigError
-from microspeed.hookspecs import hookimpl
+from microspeed.plugin_api import ConfigError, Field, Section, hookimpl, non_negative, positive
 from microspeed_efficiency.data_sampler import CurriculumDataLoader, CurriculumDataSampler, parse_curriculum_metrics
 
 NAME = "data_efficiency"

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 from microspeed_efficiency.curriculum import CurriculumScheduler
 from microspeed_efficiency.data_analyzer import MetricIndex
 

@@ -33,9 +33,7 @@ from typing import Any
 
 import torch
 
-from microspeed import comm
-from microspeed.config import Field, Section, non_negative
-from microspeed.hookspecs import hookimpl
+from microspeed.plugin_api import Field, Section, comm, hookimpl, non_negative
 from microspeed_efficiency.flops_profiler import (
     FlopsProfiler,
     duration_to_string,

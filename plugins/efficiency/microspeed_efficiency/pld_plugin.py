@@ -20,9 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from microspeed.config import Field, Section, non_negative
-from microspeed.errors import ConfigError
-from microspeed.hookspecs import hookimpl
+from microspeed.plugin_api import ConfigError, Field, Section, hookimpl, non_negative
 from microspeed_efficiency.pld import PLD_KWARGS, ProgressiveLayerDrop, accepts_pld_kwargs
 
 NAME = "progressive_layer_drop"

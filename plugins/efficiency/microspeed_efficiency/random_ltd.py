@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 
 __all__ = [
     "CONFIG_PATH",
@@ -148,7 +148,7 @@ def kernel_backend(t: torch.Tensor) -> str:
     for CUDA tensors, and for CPU tensors when the kernels were imported under the interpreter; the references
     run everywhere else (and whenever Triton does not import).
     """
-    from microspeed.ops.backend import env_choice
+    from microspeed.plugin_api import env_choice
 
     choice = env_choice(KERNELS_ENV)
     if choice != "auto":

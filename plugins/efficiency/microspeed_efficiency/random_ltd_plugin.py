@@ -40,8 +40,7 @@ from typing import Any
 
 from torch import nn
 
-from microspeed.errors import ConfigError
-from microspeed.hookspecs import hookimpl
+from microspeed.plugin_api import ConfigError, hookimpl
 from microspeed_efficiency.random_ltd import (
     CONFIG_PATH,
     RandomLTD,

@@ -26,7 +26,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 from microspeed_sparse_attn.sparsity_config import (
     SUPPORTED_BLOCK_SIZES,
     BigBirdSparsityConfig,

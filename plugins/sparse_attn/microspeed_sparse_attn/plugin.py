@@ -25,9 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from microspeed.config import Section
-from microspeed.errors import ConfigError
-from microspeed.hookspecs import hookimpl
+from microspeed.plugin_api import ConfigError, Section, hookimpl
 from microspeed_sparse_attn.config import parse_sparse_attention_section, sparsity_config_from_section
 from microspeed_sparse_attn.sparse_self_attention import SparseSelfAttention
 
@@ -114,7 +112,7 @@ def _shared_seed() -> int:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        from microspeed import comm
+        from microspeed.plugin_api import comm
 
         comm.broadcast(seed, src=0)
     return int(seed.item())

@@ -44,7 +44,7 @@ def _log_backend(backend: str, why: str) -> None:
     if backend in _announced:
         return
     _announced.add(backend)
-    from microspeed.log import get_logger
+    from microspeed.plugin_api import get_logger
 
     get_logger("microspeed.sparse_attn").info("sparse_attn: backend chosen", backend=backend, why=why)
 

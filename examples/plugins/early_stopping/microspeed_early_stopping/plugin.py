@@ -25,10 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from microspeed import comm
-from microspeed.config import Field, Section, non_negative, positive
-from microspeed.hookspecs import StepOutcome, hookimpl
-from microspeed.log import get_logger
+from microspeed.plugin_api import Field, Section, StepOutcome, comm, get_logger, hookimpl, non_negative, positive
 
 NAME = "early_stopping"
 """The config section, the plugin-state key and the checkpoint-state key."""
