@@ -8,7 +8,7 @@ at random during training, more of them as training goes on. The runtime's part 
 (``θ̄`` = ``theta``, ``γ`` = ``gamma``), which starts at 1 and decays towards ``θ̄``. It is recomputed at every
 optimizer step from the step counter and handed to the model's forward as the keyword arguments
 ``progressive_layer_drop=True, pld_theta=θ`` (:meth:`ProgressiveLayerDrop.get_state`). The model decides
-what to drop; the demo GPT (:meth:`microspeed.demo.model.GPT.pld_keep_probs`) runs block ``i`` of ``L`` with
+what to drop; the shared GPT (:meth:`microspeed.models.GPT.pld_keep_probs`) runs block ``i`` of ``L`` with
 probability ``keep_i = 1 − (i + 1) / L · (1 − θ)`` and divides a running block's residual branches by
 ``keep_i``, and runs every block in eval mode.
 

@@ -66,7 +66,7 @@ class ProgressiveLayerDropPlugin:
                 f"{NAME}.enabled: the model's forward ({type(model).__name__}.forward) does not accept the keyword "
                 f"arguments {' and '.join(PLD_KWARGS)} that progressive layer drop passes to it. Give it those "
                 "parameters (progressive_layer_drop: bool = False, pld_theta: float = 1.0) and drop layers with "
-                "them, as microspeed.demo.model.GPT does, or set progressive_layer_drop.enabled to false."
+                "them, as microspeed.models.GPT does, or set progressive_layer_drop.enabled to false."
             )
 
     @hookimpl

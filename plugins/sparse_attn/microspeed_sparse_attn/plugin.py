@@ -86,7 +86,7 @@ class SparseAttentionPlugin:
         modules = replaceable_attention(model)
         if not modules:
             raise ConfigError(f"{SECTION}: the model has no attention module that declares itself replaceable "
-                              f"(attributes attention_fn and n_head, as microspeed.demo.model.CausalSelfAttention "
+                              f"(attributes attention_fn and n_head, as microspeed.models.CausalSelfAttention "
                               f"has), so the section would do nothing. Remove the section, or use "
                               f"SparseSelfAttention in the model directly.")
         section = dict(self.section)
