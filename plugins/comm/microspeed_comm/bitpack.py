@@ -157,7 +157,7 @@ def kernel_backend(t: torch.Tensor) -> str:
     ``MICROSPEED_COMM_KERNELS=torch`` forces the PyTorch reference. Otherwise (unset, empty or ``auto``)
     the kernels run for CUDA tensors when Triton imports, the reference for everything else.
     """
-    from microspeed.ops.backend import kernel_backend as choose
+    from microspeed.plugin_api import kernel_backend as choose
 
     return choose(t, KERNELS_ENV)
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from microspeed import comm
+from microspeed.plugin_api import comm
 from microspeed_comm import bitpack
 
 DEFAULT_BLOCK_SIZE = 2048

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from microspeed import comm
+from microspeed.plugin_api import comm
 from microspeed_comm.compressed import CompressedAllReduce
 
 COMM_BACKEND_NAMES = ("nccl", "mpi", "hccl", "compressed", "gloo", "ccl")

@@ -7,17 +7,19 @@ DeepSpeed matches them), or when the client passes one of those optimizers to ``
   at ``initialize()`` and a bad one is refused naming ``optimizer.params.<key>``.
 * **Hand-over.** After every step it asks the optimizer whether the next step's gradients must be
   averaged at full precision (:meth:`~microspeed_comm.onebit.OneBitOptimizer.full_precision_gradients_next`).
-  If not, it claims the ``gradient_reduction`` role, so the built-in data-parallel reducer neither
-  launches its all-reduce from the autograd hooks nor reduces at the boundary; the optimizer then
-  exchanges compressed momentum (or gradients) inside its step. If so, it releases the role again
-  (0/1 Adam's variance steps, or a checkpoint of the warm-up being loaded).
+  If not, it claims the :attr:`~microspeed.plugin_api.Role.GRADIENT_REDUCTION` role, so the built-in
+  data-parallel reducer neither launches its all-reduce from the autograd hooks nor reduces at the
+  boundary; the optimizer then exchanges compressed momentum (or gradients) inside its step. If so,
+  it releases the role again (0/1 Adam's variance steps, or a checkpoint of the warm-up being loaded).
 * **Checkpoints.** The optimizer's state (momenta, variances, counters) goes through the core's
   default optimizer save, keyed by parameter name. The error-feedback buffers differ per rank:
   they are saved per rank (``plugins/comm/rank<r>/...``) and restored when the checkpoint is loaded
   by the same rank of the same world size, else they start from zero (DeepSpeed always resets them).
   Before a save, 0/1 Adam synchronises pending local steps, so the checkpoint holds one model.
-* **ZeRO.** Refused at ``initialize()``: ZeRO partitions the optimizer state that the 1-bit
-  optimizers exchange whole (DeepSpeed refuses the combination too).
+* **ZeRO.** Refused at ``initialize()``: a plugin stating
+  :class:`~microspeed.plugin_api.GradientPartitioning` (ZeRO) partitions the optimizer state that the
+  1-bit optimizers exchange whole (DeepSpeed refuses the combination too); the refusal names the key
+  that turned partitioning on, as the capability states it.
 """
 
 from __future__ import annotations
@@ -29,10 +31,16 @@ from typing import Any
 
 import torch
 
-from microspeed import comm
-from microspeed.errors import ConfigError
-from microspeed.hookspecs import hookimpl
-from microspeed.log import get_logger
+from microspeed.plugin_api import (
+    Capabilities,
+    ConfigError,
+    GradientPartitioning,
+    Role,
+    comm,
+    get_logger,
+    hookimpl,
+    reduced_over_data_parallel,
+)
 from microspeed_comm.adam import OneBitAdam
 from microspeed_comm.lamb import OneBitLamb
 from microspeed_comm.onebit import OneBitOptimizer
@@ -115,6 +123,13 @@ def check_params(cls: type[OneBitOptimizer], params: dict[str, Any]) -> dict[str
     return dict(params)
 
 
+def _partitioning_reason(name: str, part: GradientPartitioning) -> str:
+    """Why the 1-bit optimizer ``name`` cannot run with the gradient partitioning ``part``, and the fix."""
+    return (f"{name} averages whole momenta with a compressed all-reduce, while {part.config_key}={part.stage} "
+            f"partitions optimizer state across ranks (DeepSpeed refuses this too); {part.disable_hint} to use "
+            f"{name}, or use Adam with partitioning")
+
+
 class CommPlugin:
     """1-bit Adam, 0/1 Adam and 1-bit LAMB wired into the engine (one instance per engine)."""
 
@@ -143,12 +158,11 @@ class CommPlugin:
                               stacklevel=2)
 
     @hookimpl
-    def microspeed_conflicts(self, config) -> list[tuple[str, str]] | None:
-        """ZeRO partitions what the 1-bit optimizers exchange whole: refuse stages >= 1."""
-        if self.cls is not None and (config.get("zero_optimization.stage", 0) or 0) >= 1:
-            return [("zero_optimization.stage", f"{self.cls.__name__} averages whole momenta with a compressed "
-                     f"all-reduce, while ZeRO partitions optimizer state across ranks (DeepSpeed refuses this "
-                     f"too); use stage 0 with {self.cls.__name__}, or Adam with ZeRO")]
+    def microspeed_conflicts(self, capabilities: Capabilities) -> list[tuple[str, str]] | None:
+        """Gradient partitioning (ZeRO) splits what the 1-bit optimizers exchange whole: refuse it."""
+        part = capabilities.get(GradientPartitioning)
+        if self.cls is not None and part is not None:
+            return [(part.config_key, _partitioning_reason(self.cls.__name__, part))]
         return None
 
     @hookimpl
@@ -169,12 +183,17 @@ class CommPlugin:
         """Adopt the final optimizer if it is a 1-bit one (built here, or passed by the client)."""
         if not isinstance(optimizer, OneBitOptimizer):
             return None
-        if engine.owner("optimizer_step") not in (None, "comm") or engine.owner("gradient_reduction") is not None:
-            raise ConfigError(f"{type(optimizer).__name__}: the plugin {engine.owner('optimizer_step')!r} steps the "
-                              f"optimizer or reduces gradients itself (ZeRO?); the 1-bit optimizers need the "
-                              f"whole momentum on every rank: use zero_optimization.stage 0")
-        from microspeed.builtin.data_parallel import reduced_over_data_parallel
-
+        name = type(optimizer).__name__
+        part = engine.capabilities.get(GradientPartitioning)
+        if part is not None:
+            raise ConfigError(f"{part.config_key}: cannot be combined with {name} (the plugin 'comm'): "
+                              f"{_partitioning_reason(name, part)}")
+        stepper, reducer = engine.owner(Role.OPTIMIZER_STEP), engine.owner(Role.GRADIENT_REDUCTION)
+        if stepper not in (None, "comm") or reducer is not None:
+            other = stepper if stepper not in (None, "comm") else reducer
+            raise ConfigError(f"{name}: the plugin {other!r} steps the optimizer or reduces gradients itself; the "
+                              f"1-bit optimizers need the whole momentum on every rank and do both: turn that "
+                              f"plugin's feature off, or use another optimizer.")
         held_apart = [n for n, p in engine.module.named_parameters() if not reduced_over_data_parallel(p)]
         if held_apart:
             raise ConfigError(f"{type(optimizer).__name__}: parameters such as {held_apart[0]!r} are held by only some "
@@ -197,9 +216,9 @@ class CommPlugin:
         if compress == self.compressing:
             return
         if compress:
-            engine.claim("gradient_reduction", "comm")
+            engine.claim(Role.GRADIENT_REDUCTION, "comm")
         else:
-            engine.release("gradient_reduction", "comm")
+            engine.release(Role.GRADIENT_REDUCTION, "comm")
         self.compressing = compress
         if comm.get_rank() == 0 and self.log is not None:
             self.log.info("comm: gradients of the next step " + ("stay local (compressed communication)"
@@ -209,7 +228,7 @@ class CommPlugin:
     @hookimpl(tryfirst=True)
     def microspeed_reduce_gradients(self, engine) -> bool | None:
         """Nothing to reduce while the optimizer communicates compressed (it does so in its step)."""
-        return True if self.optimizer is not None and engine.owner("gradient_reduction") == "comm" else None
+        return True if self.optimizer is not None and engine.owner(Role.GRADIENT_REDUCTION) == "comm" else None
 
     @hookimpl
     def microspeed_after_step(self, engine) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from microspeed import comm
+from microspeed.plugin_api import comm
 
 
 class _AllToAll(torch.autograd.Function):

@@ -216,7 +216,7 @@ def _busiest(exp_counts: torch.Tensor, ep_group: Any) -> int:
     """The largest expert count here, or across ``ep_group`` (``all_reduce(MAX)``) when it spans several ranks."""
     busiest = exp_counts.max().clone()
     if ep_group is not None:
-        from microspeed import comm
+        from microspeed.plugin_api import comm
 
         if comm.get_world_size(ep_group) > 1:
             comm.all_reduce(busiest, op=torch.distributed.ReduceOp.MAX, group=ep_group)

@@ -1,9 +1,9 @@
-"""The demo GPT (:mod:`microspeed.demo.model`) with Mixture-of-Experts layers.
+"""The shared GPT (:mod:`microspeed.models`, the model the demo trains) with Mixture-of-Experts layers.
 
 ``moe_gpt(config, num_experts, k, ep_size=1, every=2)`` builds a :class:`MoEGPT`: the demo's
-:class:`~microspeed.demo.model.GPT` in which every ``every``-th block (blocks ``every - 1``, ``2 * every - 1``, …;
+:class:`~microspeed.models.GPT` in which every ``every``-th block (blocks ``every - 1``, ``2 * every - 1``, …;
 0-based) is a :class:`MoEBlock`, whose MLP is a :class:`~microspeed_moe.layer.MoE` layer with
-``num_experts`` copies of the demo's :class:`~microspeed.demo.model.MLP` as experts (each rank holds
+``num_experts`` copies of the demo's :class:`~microspeed.models.MLP` as experts (each rank holds
 ``num_experts / ep_size`` of them). Everything else — embeddings, attention, the tied LM head — is the demo's.
 
 The training loss, what ``forward(batch)`` returns, is the language-model loss plus the experts' load-balancing
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from microspeed.demo.model import GPT, MLP, AttentionFactory, Block, GPTConfig
+from microspeed.models import GPT, MLP, AttentionFactory, Block, GPTConfig
 from microspeed_moe.gating import check_noisy_gate_policy
 from microspeed_moe.layer import MoE
 
@@ -140,7 +140,7 @@ class MoEGPT(GPT):
     Args:
         config: the demo model's hyper-parameters (``dropout`` applies inside the experts too).
         moe: where the MoE layers go and how they route (default :class:`MoEGPTConfig` ``()``).
-        attention: factory for each block's attention module, as in :class:`~microspeed.demo.model.GPT`.
+        attention: factory for each block's attention module, as in :class:`~microspeed.models.GPT`.
     """
 
     def __init__(self, config: GPTConfig | None = None, moe: MoEGPTConfig | None = None,
@@ -196,7 +196,7 @@ class MoEGPT(GPT):
     def forward(self, idx: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor | None = None) -> torch.Tensor:
         """The LM loss plus ``aux_loss_coef * sum(l_aux)`` (with targets), or the logits (without).
 
-        Arguments as :meth:`microspeed.demo.model.GPT.forward`.
+        Arguments as :meth:`microspeed.models.GPT.forward`.
         """
         out = super().forward(idx, targets)
         blocks = self.moe_blocks

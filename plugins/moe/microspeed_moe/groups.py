@@ -8,8 +8,12 @@ With ``W`` data-parallel ranks and ``ep_size = E`` (``E`` divides ``W``), as Dee
 * an **expert-data-parallel group** is the ``W / E`` ranks ``[j, j + E, j + 2E, …]`` holding the same
   experts: their expert gradients are summed over it.
 
-Groups are made once per ``ep_size`` (creating groups is collective: every rank makes every group,
-in the same order) and cached per process, like torch's own groups. As DeepSpeed's, a layer may be
+Groups belong to the world they were made in: they are made once per ``ep_size`` and world (creating
+groups is collective: every rank makes every group, in the same order) and kept with that world — the
+default process group — never with the process, so a world started anew (``destroy_process_group`` and
+``init_process_group`` again, as successive tests do) gets its own groups, and nothing of a finished
+world is used again. Engines of one world share them, as they share torch's groups (DeepSpeed's
+``groups._get_expert_parallel_group`` answers from the same place). As DeepSpeed's, a layer may be
 built before the process group exists: its rank comes from the launcher's ``RANK`` variable (the one
 ``init_distributed`` will use) and its groups are made at ``initialize`` or its first forward.
 """
@@ -17,6 +21,7 @@ built before the process group exists: its rank comes from the launcher's ``RANK
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +46,8 @@ class ExpertGroups:
         return len(self.edp_ranks)
 
 
-_CACHE: dict[int, ExpertGroups] = {}
+_BY_WORLD: weakref.WeakKeyDictionary[Any, dict[int, ExpertGroups]] = weakref.WeakKeyDictionary()
+"""``world (the default process group) -> {ep_size: ExpertGroups}``: groups live as long as their world."""
 
 
 def _env_int(name: str) -> int | None:
@@ -75,9 +81,14 @@ def check_ep_size(ep_size: int, num_experts: int) -> None:
 
 
 def get_expert_groups(ep_size: int) -> ExpertGroups:
-    """The (cached) groups for ``ep_size`` over the world (collective the first time on every rank)."""
-    if ep_size in _CACHE:
-        return _CACHE[ep_size]
+    """The groups for ``ep_size`` over the current world (collective the first time in a world, on every rank).
+
+    Made once per world and ``ep_size`` and kept with the world (see the module docstring); without
+    torch.distributed there is nothing to make and every rank is its own group (``None``).
+    """
+    known = _BY_WORLD.get(dist.group.WORLD) if dist.is_initialized() else None
+    if known is not None and ep_size in known:
+        return known[ep_size]
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if ep_size > 1 and not dist.is_initialized():
@@ -100,5 +111,6 @@ def get_expert_groups(ep_size: int) -> ExpertGroups:
             if rank in ranks:
                 edp_group, edp_ranks = group, ranks
     groups = ExpertGroups(ep_size, world, rank % ep_size, ep_group, ep_ranks, edp_group, edp_ranks)
-    _CACHE[ep_size] = groups
+    if dist.is_initialized():
+        _BY_WORLD.setdefault(dist.group.WORLD, {})[ep_size] = groups
     return groups

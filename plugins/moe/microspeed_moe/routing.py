@@ -144,7 +144,7 @@ def kernel_backend(t: torch.Tensor) -> str:
     ``MICROSPEED_MOE_KERNELS=torch`` forces the PyTorch index path. Otherwise (unset, empty or ``auto``)
     the kernels run for CUDA tensors when Triton imports, the index path for everything else.
     """
-    from microspeed.ops.backend import kernel_backend as choose
+    from microspeed.plugin_api import kernel_backend as choose
 
     return choose(t, KERNELS_ENV)
 

@@ -10,7 +10,7 @@ import torch
 from microspeed_moe.gpt import MoEBlock, MoEGPT, MoEGPTConfig, moe_gpt
 
 from microspeed.demo.data import ByteSequenceDataset, stdlib_corpus
-from microspeed.demo.model import Block, GPTConfig
+from microspeed.models import Block, GPTConfig
 from microspeed.testing import run_distributed
 
 GPT = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=32)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed.checkpoint import CheckpointError, CheckpointWarning, flat_shard
-from microspeed.checkpoint.manifest import TensorRef, split
+from microspeed.plugin_api import CheckpointError, CheckpointWarning, TensorRef, flat_shard
+from microspeed.plugin_api import split_tensor_refs as split
 
 
 def _sharded(rt: Any, seg: Any, i: int, local: torch.Tensor) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed import comm
+from microspeed.plugin_api import comm
 
 
 def backend_of(group: Any) -> str:

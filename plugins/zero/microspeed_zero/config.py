@@ -15,8 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from microspeed.config import Field, Section, non_negative, positive
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError, Field, Section, non_negative, positive
 
 _SIZE = (int, float)
 _ANY = (bool, int, float, str, dict, list, type(None))

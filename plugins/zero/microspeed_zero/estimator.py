@@ -436,7 +436,7 @@ def _build_model(spec: str, model_args: Sequence[str]) -> Any:
     if spec == "demo:gpt":
         from dataclasses import fields
 
-        from microspeed.demo.model import GPT, GPTConfig
+        from microspeed.models import GPT, GPTConfig
 
         known = {f.name for f in fields(GPTConfig)}
         kwargs: dict[str, Any] = {}
@@ -479,7 +479,7 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--params", metavar="N", help="trainable parameter count, e.g. 45e6, 350M, 1.3B")
     what.add_argument("--model", metavar="MODULE:FACTORY",
                       help="import MODULE (or a .py file) and call FACTORY() for an nn.Module; "
-                           "'demo:gpt' builds microspeed.demo.model.GPT from --model-arg key=value")
+                           "'demo:gpt' builds microspeed.models.GPT from --model-arg key=value")
     parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a GPTConfig field for --model demo:gpt (repeatable), e.g. n_layer=24")
     parser.add_argument("--largest-layer", metavar="N", default=None,

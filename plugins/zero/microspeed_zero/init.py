@@ -34,8 +34,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from microspeed import comm
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError, comm
 from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id
 
 _local = threading.local()
@@ -263,7 +262,7 @@ class Init:
     def _raw(config: Any) -> dict:
         if hasattr(config, "raw") and hasattr(config, "values"):  # a parsed microspeed Config
             return config.raw
-        from microspeed.config import load_raw
+        from microspeed.plugin_api import load_raw
 
         return load_raw(config)
 

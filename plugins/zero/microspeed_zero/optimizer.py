@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,

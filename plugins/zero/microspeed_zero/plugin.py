@@ -1,22 +1,32 @@
 """The ``zero`` plugin: answers "who reduces gradients / steps the optimizer / owns parameters".
 
-Active when ``zero_optimization.stage`` >= 1. It claims the ``gradient_reduction`` and
-``optimizer_step`` roles (stage 3 also ``parameters``), so the built-in data-parallel reducer and
+Active when ``zero_optimization.stage`` >= 1. It claims the :attr:`~microspeed.plugin_api.Role.GRADIENT_REDUCTION`
+and :attr:`~microspeed.plugin_api.Role.OPTIMIZER_STEP` roles, so the built-in data-parallel reducer and
 the mixed-precision masters stand down; mixed precision still casts the model and scales the
-loss, and its loss scaler is used here. All state lives in a
+loss, and its loss scaler (the :class:`~microspeed.plugin_api.LossScaling` capability) is used here.
+It states :class:`~microspeed.plugin_api.GradientPartitioning` (the stage, and whether parameters
+of a :class:`~microspeed.plugin_api.ReplicaGroup` keep their own group: stages 1 and 2), which
+other plugins ask instead of reading ``zero_optimization``. All state lives in a
 :class:`microspeed_zero.runtime.ZeroRuntime` on the engine (``engine.plugin_state("zero")``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from microspeed import comm
-from microspeed.config import Field
-from microspeed.errors import ConfigError, EngineUsageError
-from microspeed.hookspecs import StepOutcome, hookimpl
+from microspeed.plugin_api import (
+    ConfigError,
+    EngineUsageError,
+    Field,
+    GradientPartitioning,
+    Role,
+    StepOutcome,
+    comm,
+    hookimpl,
+)
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
 from microspeed_zero.runtime import ZeroRuntime
@@ -48,6 +58,13 @@ class ZeroPlugin:
         self.cfg = ZeroConfig.from_config(config)
         _show_notices(self.cfg.notices)
 
+    @hookimpl
+    def microspeed_capabilities(self) -> list[GradientPartitioning] | None:
+        """Stage >= 1: state the partitioning, for plugins that must know (MoE, the 1-bit optimizers)."""
+        if self.cfg is None or self.cfg.stage == 0:
+            return None
+        return [partitioning(self.cfg.stage)]
+
     def _active(self) -> bool:
         return self.rt is not None
 
@@ -56,8 +73,8 @@ class ZeroPlugin:
         """Stage >= 1: claim the roles and attach the runtime."""
         if self.cfg is None or self.cfg.stage == 0:
             return
-        engine.claim("gradient_reduction", "zero")
-        engine.claim("optimizer_step", "zero")
+        engine.claim(Role.GRADIENT_REDUCTION, "zero")
+        engine.claim(Role.OPTIMIZER_STEP, "zero")
         self.rt = ZeroRuntime(engine, self.cfg)
         engine.set_plugin_state("zero", self.rt)
 
@@ -189,18 +206,17 @@ class ZeroPlugin:
         return engine_api(engine, self.rt, self.config)
 
 
-_SHOWN: set[str] = set()
+def partitioning(stage: int) -> GradientPartitioning:
+    """What ZeRO at ``stage`` (>= 1) states about itself: stages 1 and 2 keep replica groups, stage 3 cannot."""
+    return GradientPartitioning(stage=stage, keeps_replica_groups=stage < 3, config_key="zero_optimization.stage",
+                                disable_hint="set zero_optimization.stage to 0")
 
 
 def _show_notices(lines: tuple[str, ...]) -> None:
-    """Log each "has no effect here" line once per process, on rank 0 only."""
-    import logging
-
-    fresh = [line for line in lines if line not in _SHOWN]
-    _SHOWN.update(fresh)
-    if fresh and comm.get_rank() == 0:
+    """Log each "has no effect here" line of this engine's config, on rank 0 only."""
+    if lines and comm.get_rank() == 0:
         log = logging.getLogger("microspeed.zero")
-        for line in fresh:
+        for line in lines:
             log.warning(line)
 
 

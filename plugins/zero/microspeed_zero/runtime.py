@@ -25,9 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed import comm
-from microspeed.builtin.loss_scaler import has_inf_or_nan
-from microspeed.hookspecs import StepOutcome
+from microspeed.plugin_api import ConfigError, LossScaling, StepOutcome, comm, has_inf_or_nan, replica_group
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.config import ZeroConfig
@@ -70,20 +68,19 @@ class ZeroRuntime:
         self.wire_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(wire)
         self.swapper: Any = None
         self.optimized: list[Segment] = []
-        #: Parameters held by only some data-parallel ranks (``ReplicaGroup``) are partitioned over their group.
-        self.supports_replica_groups = cfg.stage < 3
+        self.precision: LossScaling | None = engine.capabilities.get(LossScaling)
 
     # -- set-up --------------------------------------------------------------------------------
 
     @property
     def scaler(self) -> Any:
-        """The fp16 loss scaler lent by the mixed-precision plugin (``None`` without fp16)."""
-        return getattr(self.engine.plugin_state("mixed_precision"), "scaler", None)
+        """The fp16 loss scaler of the :class:`LossScaling` capability (``None`` without fp16)."""
+        return self.precision.scaler if self.precision is not None else None
 
     @property
     def accumulate_fp32(self) -> bool:
         """Whether gradients accumulate in fp32 (``data_types.grad_accum_dtype``) for a 16-bit model."""
-        return bool(getattr(self.engine.plugin_state("mixed_precision"), "accumulate_fp32", False))
+        return bool(self.precision is not None and self.precision.accumulate_fp32)
 
     @property
     def device(self) -> torch.device:
@@ -105,8 +102,6 @@ class ZeroRuntime:
         model_ids = {id(p) for p in model.parameters()}
         foreign = [p for p in group_of if p not in model_ids]
         if foreign:
-            from microspeed.errors import ConfigError
-
             raise ConfigError(f"zero_optimization: the optimizer holds {len(foreign)} tensor(s) that are not "
                               f"parameters of the model; ZeRO partitions the model's parameters — build the "
                               f"optimizer over model.parameters() (or subsets of them).")
@@ -135,8 +130,6 @@ class ZeroRuntime:
 
     def _cut(self, order: list[tuple[str, torch.nn.Parameter, int]], cap: int) -> list[Segment]:
         """Stages 1, 2: segments over the data-parallel group, then over each replica group (see ``ReplicaGroup``)."""
-        from microspeed.builtin.data_parallel import replica_group
-
         by_group: dict[Any, list[tuple[str, torch.nn.Parameter, int]]] = {None: []}
         for item in order:
             by_group.setdefault(replica_group(item[1]), []).append(item)
@@ -340,14 +333,13 @@ class ZeroRuntime:
             torch._foreach_mul_(grads, coef if isinstance(coef, float) else coef.to(grads[0].device))
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        present = [g for g in grads if g.numel()]
-        sq = (torch.stack([n.float() for n in torch._foreach_norm(present, 2.0)]).square().sum()
-              if present else torch.zeros(()))
-        sq = sq.to(torch.float32).cpu() if sq.device.type != "cpu" else sq.to(torch.float32)
-        comm.all_reduce(sq, group=self.group)
-        if self.mp_group is not None:
-            comm.all_reduce(sq, group=self.mp_group)
-        return sq.sqrt()
+        """The kernel's one norm over this rank's gradient partitions, disjoint across the data-parallel group.
+
+        Every element is held by one rank of the group (parameters of a replica group by one rank of
+        theirs, and the replica groups' ranks hold different parameters), so the squares are summed over
+        the data-parallel group, then over the model-parallel group as for every gradient.
+        """
+        return self.engine.grad_norm(grads, partitioned_over=self.group)
 
     def _write_back(self, seg: Segment) -> None:
         """Copy the stepped master into the parameters' slice, then :meth:`publish` it."""

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed import comm
+from microspeed.plugin_api import comm
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.adam import adam as _adam
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore, rank_folder
 
 MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")

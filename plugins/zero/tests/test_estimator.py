@@ -90,7 +90,7 @@ def test_tied_weights_counted_once() -> None:
 def test_demo_gpt_tied_head() -> None:
     from dataclasses import replace
 
-    from microspeed.demo.model import GPT, GPTConfig
+    from microspeed.models import GPT, GPTConfig
 
     tied, untied = GPT(GPTConfig.tiny()), GPT(replace(GPTConfig.tiny(), tie_weights=False))
     n_tied, _ = count_parameters(tied)
@@ -200,7 +200,7 @@ def test_cli_offload_rows_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_model_demo_gpt(capsys: pytest.CaptureFixture[str]) -> None:
-    from microspeed.demo.model import GPT, GPTConfig
+    from microspeed.models import GPT, GPTConfig
 
     assert main(["--model", "demo:gpt", "--model-arg", "n_layer=2", "--model-arg", "d_model=64",
                  "--stage", "3", "--world-size", "2"]) == 0

@@ -9,7 +9,7 @@ from microspeed.testing import run_distributed
 
 
 def _model():
-    from microspeed.demo.model import GPT, GPTConfig
+    from microspeed.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, d_model=64))

@@ -11,7 +11,7 @@ STEPS = 4
 
 
 def _model():
-    from microspeed.demo.model import GPT, GPTConfig
+    from microspeed.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))

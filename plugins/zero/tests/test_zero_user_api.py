@@ -99,7 +99,7 @@ def _train_mlp(engine, steps: int, start: int = 0) -> list[float]:
 
 
 def _gpt_config():
-    from microspeed.demo.model import GPTConfig
+    from microspeed.models import GPTConfig
 
     return GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
 
@@ -139,7 +139,7 @@ def _same_as(model: nn.Module, ref: nn.Module) -> None:
 
 def _init_body(gpt_steps: int) -> None:
     """zero.Init on every rank: partitioned at construction, same values and losses as without it."""
-    from microspeed.demo.model import GPT
+    from microspeed.models import GPT
     from microspeed.zero import GatheredParameters, Init
 
     microspeed.init_distributed()  # the harness leaves it to us (init_process_group=False)

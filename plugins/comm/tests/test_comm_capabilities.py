@@ -1,0 +1,69 @@
+"""The 1-bit optimizers ask for gradient partitioning by its type, and name the key its provider states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import microspeed
+from microspeed.plugin_api import Field, GradientPartitioning, Section
+
+
+class Partitioner:
+    """A third-party plugin that partitions gradients, turned on by ``partitioner.stage``."""
+
+    @microspeed.hookimpl
+    def microspeed_config_sections(self):
+        return {"partitioner": Section({"stage": Field((int,), 0, "partition at this stage")})}
+
+    @microspeed.hookimpl
+    def microspeed_capabilities(self, config):
+        stage = config["partitioner"]["stage"]
+        if not stage:
+            return None
+        return [GradientPartitioning(stage=stage, keeps_replica_groups=True, config_key="partitioner.stage",
+                                     disable_hint="set partitioner.stage to 0")]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+
+def _config(**extra):
+    return {"train_batch_size": 2, "steps_per_print": 10**6, **extra}
+
+
+ONEBIT = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}
+
+
+def test_any_partitioner_is_refused_naming_its_own_key_and_fix():
+    with pytest.raises(microspeed.ConfigError, match=r"^partitioner\.stage: cannot be combined with the plugin "
+                                                     r"'comm': OneBitAdam .*partitioner\.stage=2 .*set "
+                                                     r"partitioner\.stage to 0 to use OneBitAdam"):
+        microspeed.initialize(model=_mlp(), config=_config(optimizer=ONEBIT, partitioner={"stage": 2}),
+                              plugins=[("partitioner", Partitioner())])
+
+
+def test_a_client_onebit_optimizer_with_a_partitioner_is_refused_naming_its_key():
+    from microspeed_comm import OneBitAdam
+
+    model = _mlp()
+    with pytest.raises(microspeed.ConfigError, match=r"^partitioner\.stage: cannot be combined with OneBitAdam"):
+        microspeed.initialize(model=model, optimizer=OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2),
+                              config=_config(partitioner={"stage": 1}), plugins=[("partitioner", Partitioner())])
+
+
+def test_without_partitioning_the_onebit_optimizer_is_adopted():
+    engine, *_ = microspeed.initialize(model=_mlp(), config=_config(optimizer=ONEBIT, partitioner={"stage": 0}),
+                                       plugins=[("partitioner", Partitioner())])
+    assert engine.capabilities.get(GradientPartitioning) is None
+    assert type(engine.optimizer).__name__ == "OneBitAdam" and engine.plugin_state("comm").optimizer is not None
+
+
+def test_zero_refusal_still_names_zero_optimization_stage_and_the_fix():
+    pytest.importorskip("microspeed_zero")
+    with pytest.raises(microspeed.ConfigError, match=r"^zero_optimization\.stage: cannot be combined with the plugin "
+                                                     r"'comm': OneBitAdam .*zero_optimization\.stage=1 .*set "
+                                                     r"zero_optimization\.stage to 0 to use OneBitAdam"):
+        microspeed.initialize(model=_mlp(), config=_config(optimizer=ONEBIT, zero_optimization={"stage": 1}))
