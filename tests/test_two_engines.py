@@ -108,7 +108,8 @@ def _two_engines_body(root):
                            "a": _steps_traced(os.path.join(root, "a"))}
     out["watchdogs"] = [watchdog.current(ctx_a) is not None, watchdog.current(ctx_b) is not None,
                         watchdog.current(ctx_a) is not watchdog.current(ctx_b)]
-    # DeepSpeed's module-level calls act on the current (last active) engine: B now
+    # DeepSpeed's module-level calls act on the current (last active) engine
+    b.micro()
     out["log_summary_b"] = comm.log_summary(return_dict=True)
     a.micro()
     out["log_summary_a_ops"] = sorted(comm.log_summary(return_dict=True)["summary"])
