@@ -83,6 +83,7 @@ def _load_body(path, stage, precision, extra=None):
     return _steps(engine, world, rank, _batches()[BEFORE:]), engine.get_lr()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_across_stages_and_world_sizes(saved):
     """Stage 2 / 2 ranks -> stage 3 / 4 ranks and stage 1 / 1 rank: the same losses as not stopping."""
