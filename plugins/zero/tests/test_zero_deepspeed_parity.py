@@ -56,6 +56,7 @@ def _body():
     return {(lib, s): _run(lib, s) for s in STAGES for lib in ("deepspeed", "microspeed")}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed (pip install deepspeed==0.19.8)")
 @pytest.mark.timeout(400)
 def test_same_losses_and_weights_as_deepspeed():
