@@ -210,6 +210,7 @@ def _init_body(gpt_steps: int) -> None:
     assert Later().w.numel() == 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_init_partitions_at_construction_and_trains_like_a_plain_model():
     """zero.Init on 2 ranks: partitioned at construction, same model, same stage-3 losses; dtype, enabled, restore."""
@@ -462,6 +463,7 @@ def single_process_reference():
     return _reference_run(0, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
 def test_safe_get_full_matches_single_process(world, single_process_reference):
