@@ -120,6 +120,7 @@ def _four_rank_body():
     return _fp32_runs([FP32_CASES[0], FP32_CASES[2], FP32_CASES[4]], 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fp32_stages_match_stage0_on_4_ranks():
     ref, got = run_distributed(_four_rank_body, world_size=4, timeout=280)[0]
