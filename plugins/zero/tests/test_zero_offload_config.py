@@ -55,6 +55,7 @@ def _offload_body(path):
                      "stage3_param_persistence_threshold": 0})]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_offload_matches_no_offload(tmp_path):
     """offload_optimizer cpu (stages 1-3), offload_param cpu (stage 3), and both on NVMe (stage 3, parameter
