@@ -155,6 +155,7 @@ def _check(results: dict) -> None:
             assert run == pytest.approx(ref, rel=1e-5), (name, ref, run)
 
 
+@pytest.mark.slow
 def test_zero3_any_model_one_rank():
     _check(run_distributed(_body, world_size=1)[0])
 
