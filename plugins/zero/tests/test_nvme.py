@@ -350,6 +350,7 @@ def test_garbage_collected_store_removes_its_files(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_files_removed_at_interpreter_exit(tmp_path):
     folder = tmp_path / "s"
     code = (
