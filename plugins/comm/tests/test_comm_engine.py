@@ -89,6 +89,7 @@ def _handover_and_bytes():
     return out
 
 
+@pytest.mark.slow
 def test_handover_and_bytes_on_two_ranks():
     results = run_distributed(_handover_and_bytes, world_size=2, timeout=240)
     for r in results:
@@ -204,6 +205,7 @@ def _resume_all(directory):
     return [_resume(case[0], case[1], os.path.join(directory, case[0]), *case[2:]) for case in RESUME_CASES]
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path):
     results = run_distributed(_resume_all, world_size=2, args=(str(tmp_path),), timeout=300)
     for rank_results in results:
@@ -224,6 +226,7 @@ def _load_on_other_world(directory):
             "restored_errors": restored_errors}
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_on_another_world_size(tmp_path):
     saved = run_distributed(_resume, world_size=2, timeout=240, args=(*RESUME_CASES[0], str(tmp_path)))
     loaded = run_distributed(_load_on_other_world, world_size=4, args=(str(tmp_path),), timeout=240)
