@@ -549,6 +549,7 @@ def _tensor_parallel_rank() -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_partition_activations_on_two_tensor_parallel_ranks():
     results = run_distributed(_tensor_parallel_rank, world_size=2, timeout=150)
