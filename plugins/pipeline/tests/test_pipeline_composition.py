@@ -41,6 +41,7 @@ def _reference_engine(extra: dict, steps: int, dtype=None) -> dict:
     return {"losses": losses, "eval": engine.eval_batch(iter(_cast(micro_batches(99, GAS, MICRO), dtype))).item()}
 
 
+@pytest.mark.slow
 def test_zero_stage1_across_the_data_axis_of_a_pipeline():
     results = run_distributed(_train, world_size=4, args=(2, {"zero_optimization": {"stage": 1}}, 4), timeout=180)
     expected = reference_losses(2)
@@ -49,6 +50,7 @@ def test_zero_stage1_across_the_data_axis_of_a_pipeline():
         assert r["global_steps"] == 4 and r["micro_steps"] == 4 * GAS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_mixed_precision_pipeline_matches_the_plain_engine(precision):
     # as in DeepSpeed, inputs are cast by fp16.auto_cast, or come in the model's dtype
@@ -62,6 +64,7 @@ def test_mixed_precision_pipeline_matches_the_plain_engine(precision):
         torch.testing.assert_close(r["eval"], expected["eval"], rtol=tol, atol=0)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_in_the_pipeline_changes_nothing_but_memory():
     plain = run_distributed(_train, world_size=2, args=(2, {}, 3), timeout=120)
     ckpt = run_distributed(_train, world_size=2, args=(2, {}, 3, {"activation_checkpoint_interval": 2}), timeout=120)
@@ -69,6 +72,7 @@ def test_activation_checkpointing_in_the_pipeline_changes_nothing_but_memory():
         assert a["losses"] == b["losses"] and a["eval"] == b["eval"]
 
 
+@pytest.mark.slow
 def test_eval_batch_equals_the_single_process_loss():
     results = run_distributed(_train, world_size=2, args=(2, {}, 0), timeout=120)
     model = build_reference(mlp_specs())
@@ -113,6 +117,7 @@ def _changing_shapes() -> list[float]:
     return [engine.train_batch(iter(micro_batches(step, GAS, MICRO + step))).item() for step in range(3)]
 
 
+@pytest.mark.slow
 def test_what_cannot_combine_is_refused_clearly():
     results = run_distributed(_refusals, world_size=2, timeout=120)
     for r in results:
@@ -122,6 +127,7 @@ def test_what_cannot_combine_is_refused_clearly():
     assert "same shapes" in results[0]["shapes"]  # the first stage sends; it names the problem
 
 
+@pytest.mark.slow
 def test_shapes_may_change_between_batches():
     results = run_distributed(_changing_shapes, world_size=2, timeout=120)
     assert results[0] == results[1] and len(results[0]) == 3
@@ -151,6 +157,7 @@ def _zero_save_or_resume(stages: int, path: str, save_after: int | None, resume:
     return losses
 
 
+@pytest.mark.slow
 def test_zero1_pipeline_checkpoint_resumes_under_another_split(tmp_path):
     expected = reference_losses(2, steps=4)
     run_distributed(_zero_save_or_resume, world_size=4, args=(2, str(tmp_path), 2, False, 2), timeout=180)
@@ -177,6 +184,7 @@ def _zero_refusals() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_zero_with_tensor_parallel_or_clipped_tied_weights_is_refused():
     for r in run_distributed(_zero_refusals, world_size=2, timeout=120):
         assert "tensor parallelism" in r["tp"] and "zero_optimization.stage" in r["tp"]
@@ -202,6 +210,7 @@ def _onebit_pipeline() -> dict:
             "compressing": engine.owner("gradient_reduction") == "comm"}
 
 
+@pytest.mark.slow
 def test_onebit_adam_compresses_across_the_data_axis_of_a_pipeline():
     for r in run_distributed(_onebit_pipeline, world_size=4, timeout=180):
         assert r["compressing"] and r["replicas_equal"]
