@@ -66,6 +66,7 @@ def _interleaved_odd_and_eval() -> dict:
     return {"loss": loss, "eval": engine.eval_batch(iter(micro_batches(5, 3, MICRO))).item()}
 
 
+@pytest.mark.slow
 def test_interleaved_with_a_short_last_group_and_interleaved_eval():
     results = run_distributed(_interleaved_odd_and_eval, world_size=2, timeout=120)
     from pipeline_models import build_reference
