@@ -47,6 +47,7 @@ def _train(pp: int, tp: int, plain: bool, steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "pp", "tp", "plain"),
                          [(2, 1, 2, False), (4, 1, 2, False), (4, 2, 2, False), (4, 1, 2, True)],
                          ids=["tp2", "tp2xdp2", "pp2xtp2", "tp2xdp2-plain-module"])
@@ -88,6 +89,7 @@ def _tp_save_or_resume(pp: int, tp: int, path: str, save_after: int | None, resu
     return losses
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_with_tensor_parallel_2_loads_into_tp1_and_pp2xtp2(tmp_path):
     expected = reference_losses(1, specs=block_specs(tp=False), steps=4)
     saved = run_distributed(_tp_save_or_resume, world_size=2, args=(1, 2, str(tmp_path), 2, False, 2), timeout=120)
