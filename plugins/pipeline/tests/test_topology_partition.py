@@ -458,6 +458,7 @@ def _stages_not_dividing_world():
     return messages
 
 
+@pytest.mark.slow
 def test_num_stages_must_divide_world_size():
     """num_stages=3 on 2 ranks names num_stages and the world size; a topology of 4 ranks on 2 names both."""
     for messages in run_distributed(_stages_not_dividing_world, world_size=2, timeout=60):
@@ -540,6 +541,7 @@ def _four_ranks():
             "state": {k: v.clone() for k, v in module.state_dict().items()}}
 
 
+@pytest.mark.slow
 def test_grids_and_pipeline_module_on_four_ranks():
     """Grid accessors and groups agree with the topology; a 4-stage module builds local layers only."""
     results = run_distributed(_four_ranks, world_size=4, timeout=120)
