@@ -418,6 +418,7 @@ def _busiest_over_group() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_no_drop_capacity_is_the_busiest_expert_over_the_ep_group():
     results = run_distributed(_busiest_over_group, world_size=2, timeout=60)
     for k in (1, 2, 3):
