@@ -121,6 +121,7 @@ def _reference(world: int, steps: int) -> list[float]:
     return out
 
 
+@pytest.mark.slow
 def test_expert_parallel_equals_one_process() -> None:
     steps = 4
     results = run_distributed(_train, world_size=2, args=(2, steps), timeout=180)
