@@ -54,6 +54,7 @@ def test_expert_parallel_losses_equal_one_process(world, ep_size, net_kwargs, ex
                                    msg=lambda m, r=rank: f"rank {r}: {m}")
 
 
+@pytest.mark.slow
 def test_zero2_checkpoint_with_ep2_loads_with_ep4_and_zero1(tmp_path):
     kwargs = {"k": 2, "drop_tokens": False}
     expected = reference_losses(4, STEPS, **kwargs)
@@ -65,6 +66,7 @@ def test_zero2_checkpoint_with_ep2_loads_with_ep4_and_zero1(tmp_path):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[2:]), rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_with_ep2_loads_with_ep1_and_ep4(tmp_path):
     kwargs = {"k": 2, "drop_tokens": False}
     expected = reference_losses(4, STEPS, **kwargs)
