@@ -394,6 +394,7 @@ def test_lookup_tables_are_built_once_per_device() -> None:
     assert offsets.tolist() == [0, 2, 3] and lut.tolist() == [0, 0, 1, 1, 2, 1]  # (tile, block row) pairs
 
 
+@pytest.mark.slow
 def test_cpu_without_the_interpreter_raises_a_clear_error() -> None:
     """In a fresh process without TRITON_INTERPRET (and then without Triton at all), CPU tensors are refused with a
     RuntimeError that says what to do, and triton_available says so beforehand."""
