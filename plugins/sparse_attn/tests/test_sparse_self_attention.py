@@ -141,6 +141,7 @@ _TRITON_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_triton_backends_equal_the_cpu_path_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -321,6 +322,7 @@ def _random_layouts(world_size):
     return [g.tolist() for g in gathered]
 
 
+@pytest.mark.slow
 def test_random_blocks_are_the_same_on_every_rank():
     from microspeed.testing import run_distributed
 
