@@ -378,6 +378,7 @@ def _train(analysis: str, save_dir: str, steps: int) -> dict:
             "rank": fresh.topology.data_parallel_rank}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_ranks_with_checkpoint_resume(analysis, tmp_path):
     results = run_distributed(_train, world_size=2, args=(analysis, str(tmp_path / "ckpt"), 4),
