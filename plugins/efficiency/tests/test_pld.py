@@ -57,6 +57,7 @@ def test_theta_follows_the_formula(theta: float) -> None:
     assert pld_theta(10**6, theta, gamma) == pytest.approx(theta)
 
 
+@pytest.mark.slow
 def test_theta_equals_deepspeeds_class_where_it_exists() -> None:
     """DeepSpeed's ProgressiveLayerDrop (removed in DeepSpeed 0.19: then only its documented formula is checked)."""
     script = textwrap.dedent("""
@@ -245,6 +246,7 @@ def _two_ranks_drop_different_layers() -> tuple[list[torch.Tensor], float, list[
     return params, engine.plugin_state("progressive_layer_drop").get_theta(), per_step
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ranks_that_drop_different_layers_stay_in_sync() -> None:
     from microspeed.testing import run_distributed
