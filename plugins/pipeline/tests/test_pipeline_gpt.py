@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 import runpy
 
+import pytest
 import torch
 from pipeline_models import BASE_SEED, build_reference
 
@@ -39,6 +40,7 @@ def _pipeline_gpt(chunks: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_gpt_pipeline_equals_the_same_layers_in_one_process():
     from microspeed_pipeline.gpt import gpt_layers, lm_loss
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from pipeline_models import build_reference, lm_loss, micro_batches, mlp_specs, pipeline, tied_specs, token_batches
 from test_pipeline_parity import GAS, MICRO, _config, reference_losses
@@ -65,6 +66,7 @@ def _save_or_resume(stages: int, path: str, save_after: int | None, resume: bool
     return losses
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_with_two_stages_loads_into_one_and_four(tmp_path):
     expected = reference_losses(1, steps=4)
     saved = run_distributed(_save_or_resume, world_size=2, args=(2, str(tmp_path), 2, False, 2), timeout=120)
