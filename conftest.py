@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -44,7 +45,14 @@ _MARKER = "DS_ACCELERATOR"  # a test module that runs real DeepSpeed on CPU sets
 # Runs in a child process, so the pytest process never imports real DeepSpeed (the stand-in tests need it
 # unloaded). It prints "building <op>" before each op, so a timeout can name the op it was waiting for.
 _BUILD_SCRIPT = """
-import sys
+import os, signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with SIGINT ignored
+parent = os.getppid()
+def watch_parent():  # pytest gone (killed by a timeout, say): stop like Ctrl-C, so torch releases its build lock
+    while os.getppid() == parent:
+        time.sleep(1)
+    os.kill(os.getpid(), signal.SIGINT)
+threading.Thread(target=watch_parent, daemon=True).start()
 from deepspeed.accelerator import get_accelerator
 for builder_name, op in [tuple(pair.split(":")) for pair in sys.argv[1:]]:
     print("building", op, flush=True)
@@ -106,6 +114,17 @@ def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
+def _stop(proc: subprocess.Popen[str]) -> None:
+    """End the build like Ctrl-C (torch then removes its build lock), and kill it if that takes too long."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()
+
+
 def build_deepspeed_ops(folder: Path, ops: tuple[tuple[str, str], ...] = DS_OPS,
                         timeout: float = BUILD_TIMEOUT) -> str | None:
     """Build (or load, when built) DeepSpeed's CPU ``ops`` in ``folder``; None on success, else why not.
@@ -136,9 +155,7 @@ def build_deepspeed_ops(folder: Path, ops: tuple[tuple[str, str], ...] = DS_OPS,
             if line.startswith("building "):
                 current, deadline = line.split()[1], time.monotonic() + timeout
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        _stop(proc)
     if proc.returncode == 0:
         return None
     tail = "\n".join(output[-30:])
