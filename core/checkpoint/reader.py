@@ -1,0 +1,115 @@
+"""Reading checkpoint tensors: :class:`Reader` collects targets, then one ``dcp.load`` per round fills them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from microspeed.checkpoint.errors import CheckpointError
+from microspeed.checkpoint.layout import _find_unreadable_file, _quiet_dcp, _short
+from microspeed.checkpoint.sharding import Placement, _is_sharded, box_shard, placement_of
+
+
+class Reader:
+    """Collects ``key -> target tensors`` for one checkpoint load, then fills the targets.
+
+    Targets are plain tensors or sharded tensors made by :func:`flat_shard` (filled in place,
+    each rank reading only its pieces). Plugins get one in ``microspeed_load_optimizer_state``.
+    """
+
+    def __init__(self, tag_dir: str, metadata: Metadata, manifest: dict[str, Any] | None = None,
+                 placements: dict[str, Placement] | None = None, rank: int = 0) -> None:
+        self.tag_dir, self.metadata, self.manifest = tag_dir, metadata, manifest or {}
+        self.placements, self.rank = placements or {}, rank
+        self.targets: dict[str, list[torch.Tensor]] = {}
+        self.sharded: list[tuple[str, torch.Tensor]] = []
+        self.mismatches: list[str] = []
+
+    def _placed(self, key: str, shape: tuple[int, ...]) -> Placement | None:
+        """The placement when ``key`` is a piece of shape ``shape`` of a tensor saved whole (any split)."""
+        where = placement_of(key, self.placements)
+        if where is not None and tuple(shape) == where.local and tuple(self.meta(key).size) == where.shape:
+            return where
+        return None
+
+    def has(self, key: str) -> bool:
+        """Whether the checkpoint holds the tensor ``key``."""
+        return isinstance(self.metadata.state_dict_metadata.get(key), TensorStorageMetadata)
+
+    def meta(self, key: str) -> TensorStorageMetadata:
+        """DCP's description (size, dtype) of the saved tensor ``key``."""
+        return self.metadata.state_dict_metadata[key]  # type: ignore[return-value]
+
+    def into(self, key: str, target: torch.Tensor, name: str) -> None:
+        """Read ``key`` into ``target`` (cast to its dtype); shapes must agree, or ``target`` be its placed piece."""
+        where = self._placed(key, tuple(target.shape))
+        if where is not None:
+            self.sharded.append((key, box_shard(target, where.shape, where.pieces, self.rank)))
+            return
+        saved = tuple(self.meta(key).size)
+        if saved != tuple(target.shape):
+            self.mismatches.append(f"{name}: checkpoint {list(saved)} vs {list(target.shape)}")
+            return
+        if _is_sharded(target):
+            self.sharded.append((key, target))
+            return
+        self.targets.setdefault(key, []).append(target)
+
+    def fresh(self, key: str) -> torch.Tensor:
+        """A new CPU tensor that will hold ``key`` as saved (dtype and shape; this rank's piece when placed)."""
+        meta = self.meta(key)
+        where = placement_of(key, self.placements)
+        if where is not None and tuple(meta.size) == where.shape:
+            local = torch.empty(where.local, dtype=meta.properties.dtype)
+            self.sharded.append((key, box_shard(local, where.shape, where.pieces, self.rank)))
+            return local
+        tensor = self._empty(key)
+        self.targets.setdefault(key, []).insert(0, tensor)
+        return tensor
+
+    def _empty(self, key: str) -> torch.Tensor:
+        meta = self.meta(key)
+        return torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+
+    def run(self, no_dist: bool) -> None:
+        """Read every registered target (one ``dcp.load`` per round of distinct keys)."""
+        if self.mismatches:
+            raise CheckpointError(f"{self.tag_dir}: shapes differ from the checkpoint's: "
+                                  + "; ".join(self.mismatches), self.tag_dir)
+        plan: dict[str, torch.Tensor] = {}
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, targets in self.targets.items():
+            first = targets[0]
+            if len(targets) == 1 and first.dtype == self.meta(key).properties.dtype:
+                plan[key] = first
+            else:  # read once at saved precision, then copy into each target (casting)
+                buf = first if first.dtype == self.meta(key).properties.dtype else self._empty(key)
+                plan[key] = buf
+                copies.extend((t, buf) for t in targets if t is not buf)
+        rounds = [plan] if plan else []
+        for key, target in self.sharded:  # DCP casts into sharded targets; one key per round
+            for r in rounds:
+                if key not in r:
+                    r[key] = target
+                    break
+            else:
+                rounds.append({key: target})
+        for r in rounds:
+            self._load(r, no_dist)
+        with torch.no_grad():
+            for target, buf in copies:
+                target.copy_(buf)
+
+    def _load(self, plan: dict[str, torch.Tensor], no_dist: bool) -> None:
+        try:
+            with _quiet_dcp():
+                dcp.load(plan, storage_reader=dcp.FileSystemReader(self.tag_dir), no_dist=no_dist)
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+            bad = _find_unreadable_file(self.tag_dir, self.metadata)
+            where = bad or self.tag_dir
+            raise CheckpointError(f"{where}: reading checkpoint tensors failed (truncated or foreign file?): "
+                                  f"{type(exc).__name__}: {_short(exc)}", where) from exc

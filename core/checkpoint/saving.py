@@ -1,0 +1,218 @@
+"""Writing a checkpoint of an engine: :func:`save`, the default optimizer-state part, :func:`save_16bit_model`."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from microspeed import comm
+from microspeed.checkpoint.errors import CheckpointError, CheckpointWarning
+from microspeed.checkpoint.layout import (
+    _COUNTERS,
+    _TMP,
+    MANIFEST,
+    _check_tag,
+    _no_dist,
+    _publish,
+    _quiet_dcp,
+    _short,
+    _write_bytes,
+    new_manifest,
+)
+from microspeed.checkpoint.manifest import pack, split
+from microspeed.checkpoint.names import (
+    _aliases,
+    _module_tensors,
+    _optimizer_fqns,
+    _ordered_union,
+    optimizer_param_names,
+)
+from microspeed.checkpoint.rng import _rng_state
+from microspeed.checkpoint.sharding import apply_placements, collect_placements
+
+
+def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` (every rank calls this); returns ``True``.
+
+    ``exclude_frozen_parameters`` leaves parameters with ``requires_grad=False`` out of the module's
+    tensors (as DeepSpeed); loading such a checkpoint then needs ``load_module_strict=False``.
+    """
+    rank, world = comm.get_rank(), comm.get_world_size()
+    tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
+    engine.hook.microspeed_before_checkpoint_save(engine=engine, save_dir=save_dir, tag=tag)
+    tensors: dict[str, torch.Tensor] = {}
+
+    module_sd = _module_tensors(engine)
+    if exclude_frozen_parameters:
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
+    aliases = _aliases(module_sd)
+    extra = {}
+    for k, v in module_sd.items():
+        if k in aliases:
+            continue
+        if isinstance(v, torch.Tensor):
+            tensors[f"model/{k}"] = v.detach()
+        else:  # get_extra_state() values
+            extra[k] = split(v, f"model_extra/{k}", tensors)
+    optimizer_part = None
+    if engine.optimizer is not None:
+        optimizer_part = engine.hook.microspeed_save_optimizer_state(engine=engine, tensors=tensors)
+    scheduler_part = None
+    if engine.lr_scheduler is not None and hasattr(engine.lr_scheduler, "state_dict"):
+        scheduler_part = split(engine.lr_scheduler.state_dict(), "lr_scheduler", tensors)
+    plugin_states: dict[str, Any] = {}
+    for state in engine.hook.microspeed_checkpoint_state(engine=engine):
+        plugin_states.update(state or {})
+    plugins_part = {name: split(st, f"plugins/{name}", tensors) for name, st in plugin_states.items()}
+    client_part = split(dict(client_state or {}), "client", tensors if rank == 0 else {})
+
+    digest = hashlib.sha256(pack(plugins_part)).hexdigest()
+    model_part = {"keys": list(module_sd), "aliases": aliases, "extra": extra}
+    spread = hashlib.sha256(pack([model_part, optimizer_part])).hexdigest()
+    everyone = comm.all_gather_object({"tag": tag, "nonce": secrets.token_hex(6), "rng": _rng_state(),
+                                       "plugins": digest, "spread": spread})
+    tags = sorted({e["tag"] for e in everyone})
+    if len(tags) > 1:
+        raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
+                              f"on every rank.")
+    by_rank = None
+    if len({e["plugins"] for e in everyone}) > 1:
+        by_rank = comm.all_gather_object(plugins_part)
+    if len({e["spread"] for e in everyone}) > 1:  # ranks hold different parameters (pipeline stages)
+        parts = comm.all_gather_object([model_part, optimizer_part])
+        model_part = merge_model_parts([p[0] for p in parts])
+        optimizer_part = merge_optimizer_parts([p[1] for p in parts])
+    apply_placements(tensors, collect_placements(engine), rank)
+    tmp = os.path.join(save_dir, f"{tag}{_TMP}{everyone[0]['nonce']}")
+    os.makedirs(tmp, exist_ok=True)
+    try:
+        with _quiet_dcp():
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=_no_dist())
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointError(f"save_checkpoint: writing tensors into {tmp} failed: {type(exc).__name__}: "
+                              f"{_short(exc)}", tmp) from exc
+    if rank == 0:
+        manifest = new_manifest(tag, world, engine.config.to_dict(), {k: getattr(engine, k) for k in _COUNTERS},
+                                engine.gradient_accumulation_steps())
+        manifest.update({
+            "topology": {"data_parallel_size": engine.topology.data_parallel_size,
+                         "model_parallel_size": engine.topology.model_parallel_size},
+            "plugins": [[i.name, i.version] for i in engine.plugins.infos.values()],
+            "model": model_part,
+            "optimizer": optimizer_part, "lr_scheduler": scheduler_part, "plugin_states": plugins_part,
+            "plugin_states_by_rank": by_rank, "client_state": client_part, "rng": [e["rng"] for e in everyone],
+        })
+        _write_bytes(os.path.join(tmp, MANIFEST), pack(manifest))
+    comm.barrier()
+    if rank == 0:
+        _publish(save_dir, tag, tmp, save_latest)
+    comm.barrier()
+    return True
+
+
+def merge_model_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One manifest ``model`` entry from every rank's, when ranks hold different parameters.
+
+    A pipeline stage holds only its own layers, so each rank names a different subset of the
+    module's keys; the checkpoint names their union (in rank order), which is what any other
+    partition of the same model asks for.
+    """
+    merged: dict[str, Any] = {"keys": _ordered_union([p["keys"] for p in parts]), "aliases": {}, "extra": {}}
+    for p in parts:
+        merged["aliases"].update(p.get("aliases", {}))
+        merged["extra"].update(p.get("extra", {}))
+    return merged
+
+
+def merge_optimizer_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One manifest ``optimizer`` entry from every rank's (see :func:`merge_model_parts`).
+
+    Param groups are matched by index; each group's parameter names, the per-parameter state and the
+    master list are united. Ranks must agree on the optimizer class and the number of groups.
+    """
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    first = present[0]
+    if any(p.get("class") != first.get("class") or len(p["param_groups"]) != len(first["param_groups"])
+           for p in present):
+        raise CheckpointError("save_checkpoint: the ranks' optimizers differ in class or number of param groups; "
+                              "build the same optimizer on every rank.")
+    groups = []
+    for g, group in enumerate(first["param_groups"]):
+        groups.append({**group, "params": _ordered_union([p["param_groups"][g]["params"] for p in present])})
+    state: dict[str, Any] = {}
+    for p in present:
+        state.update(p["state"])
+    return {**first, "param_groups": groups, "state": state,
+            "masters": _ordered_union([p.get("masters", []) for p in present])}
+
+
+def save_optimizer_state(engine: Any, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The default ``microspeed_save_optimizer_state``: ``optimizer.state_dict()`` keyed by FQN."""
+    optimizer = engine.optimizer
+    sd = optimizer.state_dict()
+    fqns = _optimizer_fqns(optimizer, optimizer_param_names(engine))
+    groups = []
+    for g, group in enumerate(sd["param_groups"]):
+        hyper = split({k: v for k, v in group.items() if k != "params"}, f"optim_groups/{g}", tensors)
+        groups.append({**hyper, "params": [fqns[i] for i in group["params"]]})
+    state = {fqns[i]: split(st, f"optim/{fqns[i]}", tensors) for i, st in sd["state"].items()}
+    model_ids = {id(p) for p in engine.module.parameters()}
+    masters = []
+    flat = [p for group in optimizer.param_groups for p in group["params"]]
+    for p, fqn in zip(flat, fqns, strict=True):
+        if id(p) not in model_ids:
+            tensors[f"master/{fqn}"] = p.detach()
+            masters.append(fqn)
+    return {"class": type(optimizer).__name__, "param_groups": groups, "state": state, "masters": masters}
+
+
+def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_model.bin",
+                     exclude_frozen_parameters: bool = False) -> bool:
+    """Rank 0 writes the module's state dict in the training dtype to ``save_dir/save_filename``.
+
+    As DeepSpeed's ``save_16bit_model``: a plain ``torch.save`` file (``.safetensors`` when the
+    name ends so and the package is installed). Every rank calls it; returns ``True``.
+    ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
+    """
+    full = engine.hook.microspeed_consolidated_state_dict(engine=engine)
+    if full is None:
+        full = engine.module.state_dict()
+    if "__skip__" in full:
+        warnings.warn(f"save_16bit_model: nothing saved: {full['__skip__']}", CheckpointWarning, stacklevel=3)
+        comm.barrier()
+        return False
+    if comm.get_rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v.detach().cpu() for k, v in full.items()
+                 if isinstance(v, torch.Tensor) and not (exclude_frozen_parameters and k in frozen)}
+        path = os.path.join(save_dir, save_filename)
+        save_state_dict_file(state, path)
+    comm.barrier()
+    return True
+
+
+def save_state_dict_file(state: dict[str, torch.Tensor], path: str) -> None:
+    """Write ``state`` to ``path`` atomically: safetensors for ``*.safetensors``, else ``torch.save``."""
+    tmp = f"{path}{_TMP}{secrets.token_hex(4)}"
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors.torch import save_file
+        except ImportError as exc:
+            raise CheckpointError(f"{path}: writing .safetensors needs the 'safetensors' package "
+                                  f"(pip install safetensors), or use a .pt file name.", path) from exc
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, tmp)
+    else:
+        torch.save(state, tmp)
+    os.replace(tmp, path)
