@@ -146,7 +146,8 @@ class MissingRanksError(TimeoutError):
         self.missing = missing
 
 
-_arrivals = 0  # agreements this process took part in: every rank counts the same (the store keys' round)
+_arrivals = 0  # agreements this process took part in on its group: every rank counts the same (the keys' round)
+_arrivals_group = 0  # id() of the default group they were counted on (a new group starts again from 0)
 _GAVE_UP = "gave_up"
 
 
@@ -156,11 +157,12 @@ def wait_for_ranks(what: str, timeout_s: float | None) -> None:
     Before a collective that every rank must join (``initialize()``'s agreement), so that a rank that
     never comes ends in a :class:`MissingRanksError` naming it within ``timeout_s``, not in the process
     group's timeout (30 minutes). A store is used, not a collective, so that the ranks present can tell
-    who is missing. A no-op on one rank, without a default store, or when ``timeout_s`` is ``None``.
+    who is missing. A no-op on one rank or without a default store; with ``timeout_s`` ``None`` this rank
+    only says it arrived (every rank must call it the same number of times).
     """
-    global _arrivals
+    global _arrivals, _arrivals_group
     world = get_world_size()
-    if world <= 1 or timeout_s is None:
+    if world <= 1:
         return
     from torch.distributed import distributed_c10d as c10d
 
@@ -168,9 +170,14 @@ def wait_for_ranks(what: str, timeout_s: float | None) -> None:
         store = c10d._get_default_store()
     except Exception:
         return
+    group = id(c10d._get_default_group())
+    if group != _arrivals_group:
+        _arrivals, _arrivals_group = 0, group
     _arrivals += 1
     prefix = f"microspeed/arrive/{_arrivals}/"
-    store.set(prefix + str(get_rank()), what)
+    store.set(prefix + str(get_rank()), what)  # always: the ranks' rounds stay in step whatever their timeouts
+    if timeout_s is None:
+        return
     keys = [prefix + str(r) for r in range(world)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
