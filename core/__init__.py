@@ -13,20 +13,31 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Any
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 from microspeed import namespaces as _namespaces
-from microspeed.bootstrap import initialize
-from microspeed.comm import init_distributed
-from microspeed.data import RepeatingLoader
-from microspeed.engine import Engine, StepContext
 from microspeed.errors import ConfigError, MissingPluginError, PluginError
 from microspeed.hookspecs import StepOutcome, hookimpl, hookspec
 
+if TYPE_CHECKING:
+    from microspeed.bootstrap import initialize
+    from microspeed.comm import init_distributed
+    from microspeed.data import RepeatingLoader
+    from microspeed.engine import Engine, StepContext
+
 __version__ = "0.1.0"
 
-DeepSpeedEngine = Engine
-"""DeepSpeed's name for the engine class."""
+_LAZY: dict[str, tuple[str, str]] = {
+    "initialize": ("microspeed.bootstrap", "initialize"),
+    "init_distributed": ("microspeed.comm", "init_distributed"),
+    "RepeatingLoader": ("microspeed.data", "RepeatingLoader"),
+    "Engine": ("microspeed.engine", "Engine"),
+    "StepContext": ("microspeed.engine", "StepContext"),
+    "DeepSpeedEngine": ("microspeed.engine", "Engine"),  # DeepSpeed's name for the engine class
+}
+"""Top-level names that need torch, imported on first use (PEP 562) so that ``import microspeed`` (and the
+``microspeed`` command's ``--help``) stays light; ``microspeed.initialize`` etc. behave as plain attributes."""
 
 __all__ = [
     "ConfigError",
@@ -60,8 +71,18 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
     if name in _namespaces.ALIASES:
         return importlib.import_module(f"microspeed.{name}")
-    if name == "ops":
-        return importlib.import_module("microspeed.ops")
+    if not name.startswith("_") and importlib.util.find_spec(f"microspeed.{name}") is not None:
+        # a submodule not imported yet: ``import microspeed; microspeed.comm.get_rank()`` keeps working
+        return importlib.import_module(f"microspeed.{name}")
     raise AttributeError(f"module 'microspeed' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -184,11 +184,16 @@ def test_cli_plugins_disable(capsys):
     assert any(ln.split() == ["optimizer_step", "optimizers"] for ln in out.splitlines())
 
 
-@pytest.mark.parametrize("argv", [[], ["no-such-command"]])
-def test_cli_without_a_command_prints_usage_and_returns_2(argv, capsys):
-    assert microspeed.cli.main(argv) == 2
+def test_cli_without_a_command_prints_usage_and_returns_2(capsys):
+    assert microspeed.cli.main([]) == 2
     out = capsys.readouterr().out
     assert out.startswith("usage: microspeed") and "plugins" in out and "run" in out
+
+
+def test_cli_unknown_command_names_the_closest_and_returns_2(capsys):
+    assert microspeed.cli.main(["no-such-command"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: microspeed") and "unknown command 'no-such-command'" in err
 
 
 def test_cli_help_returns_0(capsys):

@@ -1,11 +1,16 @@
-"""The ``microspeed`` command: ``run`` (torchrun), ``plugins`` (what loaded), ``demo`` (train a GPT), and more."""
+"""The ``microspeed`` command: ``run`` (torchrun), ``plugins`` (what loaded), ``demo`` (train a GPT), and more.
+
+Start-up stays light: this module and ``microspeed``'s top level import neither torch nor the plugins, and each
+sub-command parses its arguments (so ``--help`` answers) before it imports what it needs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from microspeed.plugins import PluginManager, all_hook_names
 
@@ -22,36 +27,19 @@ def _take_flag(args: list[str], flag: str) -> bool:
 
 
 def cmd_run(argv: Sequence[str]) -> int:
-    """``microspeed run [--as-deepspeed] [torchrun options] script.py [args]``: hands everything to torchrun.
+    """``microspeed run [--as-deepspeed] [torchrun options] script.py [args]``: see :mod:`microspeed.cli.run`."""
+    from microspeed.cli.run import main as run_main
 
-    ``--as-deepspeed`` makes ``import deepspeed`` in the launched processes resolve to microspeed's
-    stand-in (its source folder goes first on their ``PYTHONPATH``), even where real DeepSpeed is
-    installed; where the stand-in is pip-installed it changes nothing.
-    """
-    from torch.distributed import run as torchrun
-
-    args = list(argv)
-    if _take_flag(args, "--as-deepspeed"):
-        from microspeed.compat import standin
-
-        if not standin.installed_standin():
-            try:
-                folder = str(standin.source_folder())
-            except FileNotFoundError as exc:
-                print(f"microspeed run --as-deepspeed: {exc}", file=sys.stderr)
-                return 2
-            rest = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = folder + (os.pathsep + rest if rest else "")
-    if not any(a.startswith("--nproc") for a in args):
-        args = ["--nproc-per-node", "1", *args]
-    torchrun.main(args)
-    return 0
+    return run_main(argv)
 
 
 def cmd_plugins(argv: Sequence[str]) -> int:
     """List the plugins that load, with versions, and each hook's implementers in call order."""
-    parser = argparse.ArgumentParser(prog="microspeed plugins")
-    parser.add_argument("--disable", action="append", default=[], help="plugin name not to load")
+    parser = argparse.ArgumentParser(
+        prog="microspeed plugins",
+        description="List the plugins that load (built-ins, then entry points of group 'microspeed.plugins'), with "
+                    "version, source and hooks, then every hook's implementers in call order.")
+    parser.add_argument("--disable", action="append", default=[], metavar="NAME", help="plugin name not to load")
     parser.add_argument("--hooks", action="store_true", help="only the hooks and their implementers in call order")
     opts = parser.parse_args(argv)
     pm = PluginManager()
@@ -71,7 +59,10 @@ def cmd_plugins(argv: Sequence[str]) -> int:
 
 def cmd_demo(argv: Sequence[str]) -> int:
     """Train the demo GPT on 2 local processes (or ``--nproc``), via torchrun."""
-    parser = argparse.ArgumentParser(prog="microspeed demo")
+    parser = argparse.ArgumentParser(
+        prog="microspeed demo",
+        description="Train the demo GPT on local CPU processes through torchrun; other arguments go to the "
+                    "training script (microspeed.demo.train).")
     parser.add_argument("--nproc", type=int, default=2, help="local processes (default 2)")
     parser.add_argument("--config", default=None, help="ds_config JSON (default examples/ds_config_demo.json)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps")
@@ -118,10 +109,18 @@ def cmd_deepspeed_path(argv: Sequence[str]) -> int:
 
 def cmd_config_keys(argv: Sequence[str]) -> int:
     """Print the ds_config keys the loaded plugins accept, as the README's Markdown table."""
+    parser = argparse.ArgumentParser(
+        prog="microspeed config-keys",
+        description="Print the ds_config keys the installed plugins accept (key, type, default, owning plugin, "
+                    "description) as the README's Markdown table.")
+    parser.add_argument("disabled", nargs="*", metavar="NAME", help="plugin names not to load")
+    parser.add_argument("--disable", action="append", default=[], metavar="NAME",
+                        help="plugin name not to load (same as a positional NAME)")
+    opts = parser.parse_args(argv)
     from microspeed.config import markdown_table, merge_schema
 
     pm = PluginManager()
-    pm.load_all(disabled=list(argv))
+    pm.load_all(disabled=[*opts.disabled, *opts.disable])
     owners: dict[str, str] = {}
     claims = []
     for name, answers in pm.call_each("microspeed_config_sections"):
@@ -134,7 +133,7 @@ def cmd_config_keys(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {
+COMMANDS: dict[str, Callable[[Sequence[str]], int] | str] = {
     "run": cmd_run,
     "plugins": cmd_plugins,
     "demo": cmd_demo,
@@ -151,12 +150,25 @@ Sub-commands that live in their own modules register as ``"module:function"`` st
 only when used, so ``microspeed --help`` stays fast.
 """
 
+SUMMARIES: dict[str, str] = {
+    "run": "launch a training script on N processes (wraps torchrun; --as-deepspeed for DeepSpeed scripts)",
+    "plugins": "list loaded plugins, their versions and hooks",
+    "demo": "train a small GPT on 2 local CPU processes",
+    "config-keys": "print the ds_config keys the installed plugins accept (Markdown)",
+    "deepspeed-path": "folder to put first on PYTHONPATH so `import deepspeed` gets microspeed",
+    "checkpoint": "consolidate / import-deepspeed / export-deepspeed / info of checkpoints",
+    "trace": "summary / export of hook-level traces",
+    "plot": "draw loss and lr curves from a csv_monitor folder",
+    "lr-find": "LR range test on a training script: loss-vs-lr plot and a suggested lr",
+}
+"""One line per built-in sub-command, for ``microspeed --help``."""
+
 
 COMMAND_ENTRY_POINT_GROUP = "microspeed.commands"
 """Entry-point group through which plugin distributions add sub-commands (``name = "module:function"``)."""
 
 
-def _commands() -> dict:
+def _commands() -> dict[str, Callable[[Sequence[str]], int] | str]:
     from importlib import metadata
 
     found = dict(COMMANDS)
@@ -165,7 +177,7 @@ def _commands() -> dict:
     return found
 
 
-def _command(name: str):
+def _command(name: str) -> Callable[[Sequence[str]], int]:
     target = _commands()[name]
     if isinstance(target, str):
         import importlib
@@ -175,25 +187,62 @@ def _command(name: str):
     return target
 
 
+def usage(commands: Sequence[str] | None = None) -> str:
+    """The text of ``microspeed --help``: every sub-command with one line on what it does."""
+    commands = list(_commands() if commands is None else commands)
+    width = max(len(n) for n in commands) + 2
+    lines = [f"usage: microspeed [--version] [--help] {{{','.join(commands)}}} ...", "",
+             "DeepSpeed's training runtime as a microkernel with plugins.", "", "commands:"]
+    for name in commands:
+        text = SUMMARIES.get(name) or f"(from a plugin: {_commands()[name]})"
+        lines.append(f"  {name:{width}s}{text}")
+    lines += ["", "`microspeed COMMAND --help` explains a command; `microspeed --version` lists versions."]
+    return "\n".join(lines)
+
+
+def version_text() -> str:
+    """microspeed's version, then each installed plugin distribution's, then torch's and Python's (metadata only)."""
+    import platform
+    from importlib import metadata
+
+    from microspeed import __version__
+    from microspeed.plugins import ENTRY_POINT_GROUP
+
+    lines = [f"microspeed {__version__}"]
+    for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        dist = ep.dist
+        lines.append(f"  plugin {ep.name} {dist.version if dist else '?'} ({dist.name if dist else ep.value})")
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    lines.append(f"torch {torch_version}, python {platform.python_version()}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``microspeed`` command."""
+    """Entry point of the ``microspeed`` command: 0 on success, 2 on a usage error, else the command's code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(version_text())
+        return 0
     commands = _commands()
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        extra = "".join(f"\n  {n:12s} (from a plugin: {commands[n]})" for n in commands if n not in COMMANDS)
-        print(f"usage: microspeed {{{','.join(commands)}}} ...\n"
-              "  run      launch a training script on N processes (wraps torchrun);\n"
-              "           --as-deepspeed: `import deepspeed` gets microspeed's stand-in\n"
-              "  plugins  list loaded plugins, their versions and hooks\n"
-              "  demo     train a small GPT on 2 local CPU processes\n"
-              "  config-keys  print the ds_config keys the installed plugins accept (Markdown)\n"
-              "  deepspeed-path  folder to put first on PYTHONPATH so `import deepspeed` gets microspeed\n"
-              "  checkpoint   consolidate / import-deepspeed checkpoints\n"
-              "  trace        summary / export of hook-level traces\n"
-              "  plot         draw loss and lr curves from a csv_monitor folder\n"
-              "  lr-find      LR range test on a training script: loss-vs-lr plot and a suggested lr" + extra)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return _command(argv[0])(argv[1:])
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(commands))
+        return 0 if argv else 2
+    if argv[0] not in commands:
+        close = difflib.get_close_matches(argv[0], list(commands), n=1, cutoff=0.5)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"usage: microspeed [--version] [--help] {{{','.join(commands)}}} ...\n"
+              f"microspeed: error: unknown command {argv[0]!r}{hint} (`microspeed --help` lists the commands)",
+              file=sys.stderr)
+        return 2
+    try:
+        return _command(argv[0])(argv[1:])
+    except SystemExit as exc:  # argparse's --help (0) and usage errors (2): an exit status, as a return value
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        raise
 
 
 if __name__ == "__main__":

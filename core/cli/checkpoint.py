@@ -16,8 +16,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from microspeed.checkpoint import CheckpointError
-
 
 def _consolidate(opts: argparse.Namespace) -> int:
     from microspeed.checkpoint import get_fp32_state_dict, save_state_dict_file
@@ -93,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tag", default=None)
     p.set_defaults(run=_info)
     opts = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    from microspeed.checkpoint import CheckpointError  # imports torch: only once the arguments are parsed
+
     try:
         return opts.run(opts)
     except (CheckpointError, FileNotFoundError) as exc:

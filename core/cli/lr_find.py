@@ -56,11 +56,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from microspeed import comm
-from microspeed.builtin.lr_schedules import LRRangeTest
 from microspeed.hookspecs import hookimpl
+
+
+def __getattr__(name: str) -> Any:
+    # the schedule subclasses a torch scheduler: imported on first use, so `microspeed lr-find --help` stays light
+    if name == "ExponentialRangeTest":
+        from microspeed.cli.lr_find_schedule import ExponentialRangeTest
+
+        return ExponentialRangeTest
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 LAUNCH_ENV = "MICROSPEED_LR_FIND_CHILD"
 """Set in the processes ``--nproc`` launches through torchrun, so they run the test instead of launching again."""
@@ -123,25 +129,6 @@ def _check_range(min_lr: float, max_lr: float, steps: int) -> None:
         raise ValueError(f"--min-lr {min_lr:g} must be smaller than --max-lr {max_lr:g}; swap them or widen the range.")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
         raise ValueError(f"--steps {steps!r}: expected an integer >= 2 (optimizer steps from --min-lr to --max-lr).")
-
-
-class ExponentialRangeTest(LRRangeTest):
-    """``LRRangeTest`` with a multiplicative increase: ``min_lr * (max_lr / min_lr) ** (b / (num_steps - 1))`` at
-    batch ``b = last_batch_iteration + 1``, so ``min_lr`` at the first step and ``max_lr`` at step
-    ``num_steps - 1`` (it keeps growing after that)."""
-
-    def __init__(self, optimizer: Any, min_lr: float, max_lr: float, num_steps: int,
-                 last_batch_iteration: int = -1) -> None:
-        _check_range(min_lr, max_lr, num_steps)
-        self.max_lr, self.num_steps = max_lr, num_steps
-        self.ratio = max_lr / min_lr
-        super().__init__(optimizer, lr_range_test_min_lr=min_lr, lr_range_test_step_size=1,
-                         lr_range_test_step_rate=0.0, last_batch_iteration=last_batch_iteration)
-
-    def get_lr(self) -> list[float]:
-        """The lr of every param group for batch ``last_batch_iteration``."""
-        growth = self.ratio ** ((self.last_batch_iteration + 1) / (self.num_steps - 1))
-        return [lo * growth for lo in self.min_lr]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -266,6 +253,8 @@ class LRFinder:
         """With ``schedule="exp"``: the exponential range test; else let the ``scheduler`` section build it."""
         if self.schedule != "exp":
             return None
+        from microspeed.cli.lr_find_schedule import ExponentialRangeTest
+
         return ExponentialRangeTest(optimizer, self.min_lr, self.max_lr, self.steps)
 
     @hookimpl
@@ -288,6 +277,10 @@ class LRFinder:
         """Record the step; raise :class:`LRFindStop` when the test is over."""
         if self._loss_sum is None or self._lr is None:
             return
+        import torch
+
+        from microspeed import comm
+
         mean = (self._loss_sum / self._loss_count).reshape(1).to(torch.float64)
         self._loss_sum, self._loss_count = None, 0
         group = engine.data_parallel_group
@@ -484,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     result, notes = run(opts.script, opts.script_args, config=opts.config, min_lr=opts.min_lr, max_lr=opts.max_lr,
                         steps=opts.steps, schedule=opts.schedule, beta=opts.smoothing, diverge=opts.diverge)
+    from microspeed import comm
+
     if comm.get_rank() == 0:
         out = plot(result, opts.out, title=f"LR range test: {os.path.basename(opts.script)}")
         print(report(result, opts.min_lr, opts.max_lr, opts.steps, opts.schedule, notes, out))

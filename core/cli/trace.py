@@ -23,7 +23,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from microspeed.comm import convert_size
+
+def convert_size(size_bytes: int) -> str:
+    """``1536`` -> ``"1.5 KB"``: the comms logger's size format (imported on use; it needs torch)."""
+    from microspeed.comm import convert_size as convert
+
+    return convert(size_bytes)
+
 
 TID_STEPS, TID_HOOKS, TID_ASYNC = 0, 1, 2
 _TRACKS = {TID_STEPS: "steps", TID_HOOKS: "hooks", TID_ASYNC: "async collectives"}

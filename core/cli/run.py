@@ -1,0 +1,269 @@
+"""``microspeed run``: launch a training script on N processes through torchrun, with quiet, useful failures.
+
+Each rank runs under :mod:`microspeed.cli.worker`, which keeps a failing rank's traceback off the console and
+writes it to that rank's folder under torchrun's ``--log-dir`` (``traceback.log``, and torchelastic's
+``error.json``). When the job fails, torchrun's agent raises its ``ChildFailedError``; instead of its traceback
+and box, this prints the error of the rank that failed first (its last frames and message), one line for the
+other ranks, and the paths of the per-rank files. The exit status is the failing rank's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+HELP = """\
+usage: microspeed run [--as-deepspeed] [torchrun options] script.py [script args]
+       microspeed run [--as-deepspeed] [torchrun options] -m module [module args]
+
+Launch a training script on N processes with torchrun (torch.distributed.run). Every torchrun option
+works; the script's own arguments follow it, untouched.
+
+microspeed's options (before the script):
+  --as-deepspeed        `import deepspeed` in the launched processes gets microspeed's stand-in (its
+                        folder goes first on their PYTHONPATH), even where real DeepSpeed is installed
+  -h, --help            show this help and exit
+
+Failures: when a rank raises, the console gets that rank's error once (last frames and message) and one
+line for the other ranks; every rank's full traceback goes to <log dir>/<run>/attempt_<n>/<rank>/
+traceback.log (torchelastic's error.json beside it), and those paths are printed. Without --log-dir a
+temporary folder is used, removed again when the run succeeds. The exit status is the failing rank's.
+
+torchrun options used most (`torchrun --help` lists all of them):
+  --nproc-per-node N    processes on this node (default here: 1)
+  --nnodes N | MIN:MAX  number of nodes (default 1)
+  --node-rank R         this node's rank, with --master-addr/--master-port (static rendezvous)
+  --master-addr ADDR    address of node 0 (default 127.0.0.1)
+  --master-port PORT    port on node 0 (default 29500)
+  --standalone          single node, free port chosen automatically
+  --rdzv-backend B      rendezvous backend (c10d, etcd, static)
+  --rdzv-endpoint H:P   rendezvous address, --rdzv-id ID the job's id
+  --max-restarts N      restart the worker group up to N times on failure (default 0)
+  --log-dir DIR         where the per-rank folders go (kept)
+  -r, --redirects SPEC  also send std streams to <rank>/stdout.log, stderr.log (0 none, 1 out, 2 err, 3 both,
+                        or per rank: 0:1,1:2)
+  -t, --tee SPEC        as --redirects, and still print them on the console (lines prefixed by rank)
+  --local-ranks-filter L  show only these local ranks' output on the console (e.g. 0)
+  -m, --module          the script is a Python module name (python -m)
+  --no-python           run the script as a program, not through python (its failures are not shortened)
+
+example:
+  microspeed run --nproc-per-node 2 train.py --deepspeed_config ds_config.json
+"""
+
+#: torchrun options (long spelling) that HELP describes; a test checks each exists in torchrun's parser.
+HELP_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--standalone",
+                "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--max-restarts", "--log-dir", "--redirects",
+                "--tee", "--local-ranks-filter", "--module", "--no-python")
+
+WORKER_MODULE = "microspeed.cli.worker"
+"""The module each rank runs (``python -u -m microspeed.cli.worker script.py args``)."""
+
+_QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",)
+"""torchrun loggers whose failure lines ("failed (exitcode: 1) local_rank: 1", "Sending process ... SIGTERM") the
+summary replaces."""
+
+
+_FLAGS = frozenset({"-h", "--help", "--as-deepspeed", "--standalone", "-m", "--module", "--no-python", "--no_python",
+                    "--run-path", "--run_path", "--virtual-local-rank", "--virtual_local_rank"})
+"""Launcher options that take no value; every other torchrun option takes one (``--opt V`` or ``--opt=V``)."""
+
+
+def _launcher_part(args: Sequence[str]) -> list[str]:
+    """The arguments before the script: the launcher's own options (and their values)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        takes_value = args[i] not in _FLAGS and "=" not in args[i]
+        out += args[i:i + 1 + takes_value]
+        i += 1 + takes_value
+    return out
+
+
+def _wants_help(args: Sequence[str]) -> bool:
+    launcher = _launcher_part(args)
+    return any(a in ("-h", "--help") for a in launcher)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``microspeed run [--as-deepspeed] [torchrun options] script.py [args]``; returns the exit status."""
+    from microspeed.cli import _take_flag
+
+    args = list(argv)
+    if _wants_help(args):
+        print(HELP, end="")
+        return 0
+    as_deepspeed = _take_flag(args, "--as-deepspeed")
+    if not args:
+        print(HELP, end="", file=sys.stderr)
+        print("microspeed run: error: give the training script to launch", file=sys.stderr)
+        return 2
+    if as_deepspeed:
+        from microspeed.compat import standin
+
+        if not standin.installed_standin():
+            try:
+                folder = str(standin.source_folder())
+            except FileNotFoundError as exc:
+                print(f"microspeed run --as-deepspeed: {exc}", file=sys.stderr)
+                return 2
+            rest = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = folder + (os.pathsep + rest if rest else "")
+    if not any(a.startswith("--nproc") for a in _launcher_part(args)):
+        args = ["--nproc-per-node", "1", *args]
+    return launch(args)
+
+
+def launch(args: Sequence[str]) -> int:
+    """Parse ``args`` as torchrun does, run every rank under :mod:`microspeed.cli.worker`, summarise a failure."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    parser = torchrun.get_args_parser()
+    parser.prog = "microspeed run"
+    opts = parser.parse_args(list(args))
+    if not opts.no_python and not opts.run_path:
+        opts.training_script_args = [*(["-m"] if opts.module else []), opts.training_script,
+                                     *opts.training_script_args]
+        opts.training_script, opts.module = WORKER_MODULE, True
+    own_log_dir = opts.log_dir is None
+    if own_log_dir:
+        opts.log_dir = tempfile.mkdtemp(prefix="microspeed-run-")
+    quiet = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        torchrun.run(opts)
+    except ChildFailedError as exc:
+        text, code = describe_failure(exc.failures)
+        print(text, file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:
+        print(f"microspeed run: stopped by {exc.sigval.name}; the ranks were stopped too", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    except KeyboardInterrupt:
+        print("microspeed run: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # the launcher itself failed (rendezvous, port in use, bad option value)
+        print(f"microspeed run: torchrun could not run the job: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
+    if own_log_dir:
+        shutil.rmtree(opts.log_dir, ignore_errors=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------
+# The failure summary.
+
+
+def _info(failure: Any) -> dict[str, Any]:
+    """microspeed's fields of a failure's error file (see :mod:`microspeed.cli.worker`), or ``{}``."""
+    message = failure.message
+    if isinstance(message, dict):
+        return message.get("extraInfo", {}).get("microspeed") or {}
+    return {}
+
+
+def _traceback_file(failure: Any) -> str | None:
+    """The rank's ``traceback.log`` when it holds something."""
+    from microspeed.cli.worker import TRACEBACK_FILE
+
+    path = _info(failure).get("traceback_file")
+    if not path and failure.error_file and os.path.isabs(failure.error_file):
+        path = os.path.join(os.path.dirname(failure.error_file), TRACEBACK_FILE)
+    return path if path and os.path.isfile(path) and os.path.getsize(path) > 0 else None
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 2, 3, 4, 7]`` -> ``"ranks 0, 2-4, 7"`` (``"rank 3"`` for one)."""
+    ranks = sorted(ranks)
+    parts, start = [], ranks[0]
+    for prev, cur in zip(ranks, [*ranks[1:], None], strict=True):
+        if cur is None or cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(parts)
+
+
+def _first_line(text: str, width: int = 140) -> str:
+    line = next((ln.strip() for ln in str(text).splitlines() if ln.strip()), "")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def root_cause(failures: dict[int, Any]) -> int:
+    """The rank that failed first: the earliest recorded Python error, else the earliest non-signal exit."""
+    recorded = {r: _info(f)["time"] for r, f in failures.items() if "time" in _info(f)}
+    if recorded:
+        return min(recorded, key=recorded.__getitem__)
+    exited = [r for r, f in failures.items() if f.exitcode > 0]
+    return min(exited or failures, key=lambda r: (failures[r].timestamp, r))
+
+
+def describe_failure(failures: dict[int, Any]) -> tuple[str, int]:
+    """The console text for torchrun's failures (``{global rank: ProcessFailure}``) and the exit status."""
+    root = root_cause(failures)
+    failure = failures[root]
+    info = _info(failure)
+    if failure.exitcode > 0:
+        code, head = failure.exitcode, f"microspeed run: rank {root} failed (exit code {failure.exitcode})"
+    elif info:  # it raised, then torchrun stopped it while it was exiting
+        code, head = 1, f"microspeed run: rank {root} failed"
+    else:
+        code = 128 - failure.exitcode if failure.exitcode < 0 else 1
+        head = f"microspeed run: rank {root} was killed by {_signal_name(failure.exitcode)}"
+    lines = [head + (":" if info.get("short") else "")]
+    if info.get("short"):
+        lines.append(info["short"].rstrip("\n"))
+    elif failure.exitcode > 0:
+        lines[0] += " without a Python traceback (sys.exit, or an error its own code printed above)"
+    groups: dict[str, list[int]] = {}
+    for rank, other in failures.items():
+        if rank == root:
+            continue
+        other_info = _info(other)
+        if other_info:  # it raised too (torchrun may have stopped it while it was exiting)
+            what = f"{_first_line(other.message.get('message', ''))} (after rank {root} failed)"
+        elif other.exitcode < 0:
+            what = f"stopped by {_signal_name(other.exitcode)} after rank {root} failed"
+        else:
+            what = f"exited with code {other.exitcode}"
+        groups.setdefault(what, []).append(rank)
+    lines += [f"microspeed run: {_ranges(ranks)}: {what}" for what, ranks in groups.items()]
+    files = {r: _traceback_file(f) for r, f in sorted(failures.items())}
+    files = {r: p for r, p in files.items() if p}
+    if len(files) <= 4:
+        lines += [f"microspeed run: rank {r} full traceback: {p}" for r, p in files.items()]
+    else:
+        folder = os.path.dirname(os.path.dirname(files[root] if root in files else next(iter(files.values()))))
+        lines.append(f"microspeed run: full tracebacks of {_ranges(list(files))}: "
+                     f"{folder}{os.sep}<local rank>{os.sep}traceback.log")
+    outputs = _output_logs(failure)
+    if outputs:
+        lines.append(f"microspeed run: rank {root} output: {', '.join(outputs)}")
+    return "\n".join(lines), code
+
+
+def _output_logs(failure: Any) -> list[str]:
+    """The rank's ``stdout.log``/``stderr.log`` (written with ``--redirects``/``--tee``) when not empty."""
+    if not failure.error_file or not os.path.isabs(failure.error_file):
+        return []
+    folder = os.path.dirname(failure.error_file)
+    paths = [os.path.join(folder, name) for name in ("stdout.log", "stderr.log")]
+    return [p for p in paths if os.path.isfile(p) and os.path.getsize(p) > 0]
