@@ -17,7 +17,7 @@ from microspeed.checkpoint.sharding import Placement, _is_sharded, box_shard, pl
 class Reader:
     """Collects ``key -> target tensors`` for one checkpoint load, then fills the targets.
 
-    Targets are plain tensors or sharded tensors made by :func:`flat_shard` (filled in place,
+    Targets are plain tensors or DTensors made by :func:`flat_shard` or :func:`box_shard` (filled in place,
     each rank reading only its pieces). Plugins get one in ``microspeed_load_optimizer_state``.
     """
 

@@ -1,16 +1,119 @@
-"""Tensors of which a rank holds only pieces: flat ranges (ZeRO) and boxes (tensor parallel), and placements."""
+"""Tensors of which a rank holds only pieces: flat ranges (ZeRO) and boxes (tensor parallel), and placements.
+
+A rank's pieces go to ``torch.distributed.checkpoint`` as a :class:`~torch.distributed.tensor.DTensor` of the
+full shape. DTensor's placements describe even splits only, so its local tensor is a :class:`Pieces`:
+this rank's pieces (views into the caller's storage) at their offsets in the full tensor, described to
+DCP through the protocol DTensor itself implements (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``). DCP writes each piece once under the full tensor's key and reads back, into
+the same views, what any other partition saved. The DTensor's one-dimensional mesh names the ranks; it
+is built without process groups, because DCP asks it only whether this rank belongs to it.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+_aten = torch.ops.aten
+
+
+class Pieces(torch.Tensor):
+    """This rank's pieces of a tensor of global ``shape``, as ``torch.distributed.checkpoint`` reads and writes them.
+
+    ``pieces[i]`` is the box at ``offsets[i]`` of the full tensor (a view: saving reads it, loading
+    writes it in place). No arithmetic: it only travels inside a DTensor to DCP (``detach`` and
+    same-shape views give another :class:`Pieces` over the same views).
+    """
+
+    _pieces: list[torch.Tensor]
+    _chunks: list[ChunkStorageMetadata]
+    _properties: TensorProperties
+
+    @staticmethod
+    def __new__(cls, pieces: Sequence[torch.Tensor], offsets: Sequence[Sequence[int]], shape: Sequence[int],
+                dtype: torch.dtype, device: torch.device) -> Pieces:
+        """Describe ``pieces`` at ``offsets`` of a tensor of ``shape`` (all pieces of ``dtype`` on ``device``)."""
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(list(shape)), dtype=dtype, device=device)
+        r._pieces = list(pieces)
+        r._chunks = [ChunkStorageMetadata(offsets=torch.Size(list(o)), sizes=p.size())
+                     for p, o in zip(pieces, offsets, strict=True)]
+        r._properties = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
+                                         memory_format=torch.contiguous_format, pin_memory=False)
+        return r
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Pieces(shape={list(self.shape)}, chunks={[(list(c.offsets), list(c.sizes)) for c in self._chunks]})"
+
+    def _same(self) -> Pieces:
+        return Pieces(self._pieces, [c.offsets for c in self._chunks], self.shape, self.dtype, self.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """``detach``, ``alias`` and same-shape ``view``: another :class:`Pieces` over the same views; nothing else."""
+        me = args[0]
+        if func in (_aten.detach.default, _aten.alias.default):
+            return me._same()
+        if func is _aten.view.default and list(args[1]) == list(me.shape):
+            return me._same()
+        raise NotImplementedError(f"{func} is not supported on checkpoint pieces (microspeed.checkpoint.Pieces); "
+                                  f"they only carry a rank's pieces to torch.distributed.checkpoint.")
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
+        """DCP: one write item per piece, at its offset in the full tensor."""
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=self._properties, size=self.shape))
+                for chunk in self._chunks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """DCP: the boxes this rank holds (what it reads on load)."""
+        return list(self._chunks)
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        """DCP: the piece at ``index.offset``."""
+        for piece, chunk in zip(self._pieces, self._chunks, strict=True):
+            if chunk.offsets == index.offset:
+                return piece
+        raise ValueError(f"checkpoint pieces of {index.fqn!r} hold no piece at {index.offset}")
 
 
 def _is_sharded(t: Any) -> bool:
-    return type(t).__name__ == "ShardedTensor"
+    return isinstance(t, DTensor)
+
+
+@functools.lru_cache(maxsize=16)
+def _mesh(device_type: str, world: int, rank: int) -> DeviceMesh:
+    """A one-dimensional mesh over ranks ``0 .. world - 1`` seen from ``rank``, without process groups.
+
+    DCP reads a DTensor's mesh only for this rank's coordinate (is it part of the mesh?); the pieces
+    are described by :class:`Pieces`. A pure function of its arguments, hence cached.
+    """
+    return DeviceMesh(device_type, list(range(world)), _init_backend=False, _rank=rank)
+
+
+def _pieces_tensor(pieces: list[torch.Tensor], offsets: list[tuple[int, ...]], shape: Sequence[int], rank: int,
+                   world: int, like: torch.Tensor) -> DTensor:
+    """A DTensor of global ``shape`` whose local tensor is :class:`Pieces` (``pieces`` at ``offsets``)."""
+    shape = torch.Size(list(shape))
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.insert(0, acc)
+        acc *= size
+    local = Pieces(pieces, offsets, shape, like.dtype, like.device)
+    mesh = _mesh(like.device.type, max(world, rank + 1), rank)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=tuple(stride))
+
+
+def _world(named: int) -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else named
 
 
 def flat_range_boxes(shape: tuple[int, ...] | list[int], start: int, end: int) -> list[tuple[list[int], list[int]]]:
@@ -49,36 +152,25 @@ def flat_range_boxes(shape: tuple[int, ...] | list[int], start: int, end: int) -
 
 def flat_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int], ranges_by_rank: list[list[tuple[int, int]]],
                rank: int) -> Any:
-    """A sharded tensor of global ``shape`` whose pieces are flat ranges of its row-major order.
+    """A sharded tensor (a DTensor) of global ``shape`` whose pieces are flat ranges of its row-major order.
 
     ``ranges_by_rank[q]`` lists the flat ranges rank ``q`` (global rank) holds, together covering
     the tensor exactly once; ``local`` is this ``rank``'s pieces concatenated (1-D, a view into
     the caller's storage: saving reads it, loading writes it in place). Checkpoints key it like
     the full tensor, so it reloads under any other partition, or as a plain tensor.
     """
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
     shape = list(shape)
-    device = local.device
-    metas, shards = [], []
-    for q, ranges in enumerate(ranges_by_rank):
-        offset = 0
-        for start, end in ranges:
-            for offs, sizes in flat_range_boxes(shape, start, end):
-                n = 1
-                for x in sizes:
-                    n *= x
-                meta = ShardMetadata(list(offs), list(sizes), f"rank:{q}/{device}")
-                metas.append(meta)
-                if q == rank:
-                    shards.append(Shard(local[offset:offset + n].view(sizes), meta))
-                offset += n
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(metas, torch.Size(shape), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta)
+    pieces, offsets = [], []
+    offset = 0
+    for start, end in ranges_by_rank[rank] if rank < len(ranges_by_rank) else []:
+        for offs, sizes in flat_range_boxes(shape, start, end):
+            n = 1
+            for x in sizes:
+                n *= x
+            pieces.append(local[offset:offset + n].view(sizes))
+            offsets.append(tuple(offs))
+            offset += n
+    return _pieces_tensor(pieces, offsets, shape, rank, _world(len(ranges_by_rank)), local)
 
 
 @dataclass(frozen=True)
@@ -99,25 +191,16 @@ class Placement:
 
 def box_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int],
               pieces: Sequence[tuple[int, Sequence[int], Sequence[int]]], rank: int) -> Any:
-    """A sharded tensor of global ``shape`` made of boxes ``(global rank, offsets, sizes)``; ``local`` is ``rank``'s.
+    """A sharded tensor (a DTensor) of global ``shape`` made of boxes ``(global rank, offsets, sizes)``.
+
+    ``local`` is ``rank``'s box.
 
     Like :func:`flat_shard`, but each piece is a rectangular box (a tensor-parallel split along any
     dimension). Saving reads ``local``; loading writes it in place.
     """
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-    metas, shards = [], []
-    for q, offsets, sizes in pieces:
-        meta = ShardMetadata(list(offsets), list(sizes), f"rank:{q}/{local.device}")
-        metas.append(meta)
-        if q == rank:
-            shards.append(Shard(local.view(list(sizes)), meta))
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, ShardedTensorMetadata(metas, torch.Size(list(shape)), props))
+    mine = [(local.view(list(sizes)), tuple(offsets)) for q, offsets, sizes in pieces if q == rank]
+    named = max((q for q, _o, _s in pieces), default=rank) + 1
+    return _pieces_tensor([m[0] for m in mine], [m[1] for m in mine], shape, rank, _world(named), local)
 
 
 def placement_of(key: str, placements: dict[str, Placement]) -> Placement | None:
