@@ -77,10 +77,9 @@ def cmd_demo(argv: Sequence[str]) -> int:
     if opts.steps:
         args += ["--steps", str(opts.steps)]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
-    from torch.distributed import run as torchrun
+    from microspeed.cli.run import launch
 
-    torchrun.main(args + list(rest))
-    return 0
+    return launch(args + list(rest))  # as `microspeed run`: a failure prints the failing rank's error once
 
 
 def cmd_deepspeed_path(argv: Sequence[str]) -> int:
