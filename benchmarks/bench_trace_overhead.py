@@ -26,7 +26,7 @@ and bytes tracing writes per step; and a micro-benchmark of one hook call (``bef
 built-in implementers) on a bare manager, plain vs instrumented vs traced.
 
 With one process every collective is a no-op (one rank), so collectives are not in these steps;
-with tracing off a collective wrapper costs one test of an empty tuple (:mod:`microspeed.comm`).
+with tracing off a collective wrapper costs one look at the current context's observers (:mod:`microspeed.comm`).
 
 Prints a table and, last, one line ``BENCH_JSON {...}``.
 """
