@@ -17,7 +17,7 @@ import torch
 
 import microspeed
 from microspeed.demo.data import ByteSequenceDataset, stdlib_corpus, train_val_split
-from microspeed.demo.model import GPT, GPTConfig
+from microspeed.models import GPT, GPTConfig
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "examples", "ds_config_demo.json")

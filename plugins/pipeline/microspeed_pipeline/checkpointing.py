@@ -25,19 +25,23 @@ recomputed graph. The saved inputs can be made smaller and cheaper, as DeepSpeed
 * ``profile`` — time every checkpoint's forward and recompute-plus-backward, log each, and keep
   them for :func:`checkpoint_timings`.
 
-**Why module-level configuration.** DeepSpeed's API is module-level — ``configure()`` once, then
-``checkpoint()`` from anywhere in the model code, with no engine in reach — and what it configures
-belongs to the process, like the RNG states it restores and the tensor-parallel grid it gathers
-over. So the settings here are process wide; the ``activation_checkpointing`` plugin calls
-:func:`configure` at ``initialize()`` when the ds_config has the section (the last engine set up
-wins). Each :func:`checkpoint` call takes a snapshot of the settings, so reconfiguring between a
-forward and its backward does not break that backward.
+**Whose configuration.** DeepSpeed's API is module-level — ``configure()`` once, then
+``checkpoint()`` from anywhere in the model code, with no engine in reach. Here each engine whose
+ds_config has the section keeps its own :class:`CheckpointingState` (``engine.plugin_state(
+"activation_checkpointing").state``), in effect only while that engine's model runs
+(:func:`using`); the module-level functions act on the state in effect, and outside any such
+engine on a *standalone* state — the script's, for calls made before or without an engine (and for
+engines without the section, as in DeepSpeed, where the script configures). So two engines in one
+process never see each other's settings, buffers or timings. Each :func:`checkpoint` call takes a
+snapshot of the settings and remembers its state, so reconfiguring between a forward and its
+backward does not break that backward, and the recompute runs under the forward's state and grid.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -47,9 +51,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-from microspeed import comm
-from microspeed.config import Config, Field, Section, load_raw, parse, positive
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import Config, ConfigError, Field, Section, comm, get_logger, load_raw, parse, positive
 from microspeed_pipeline.rng import get_cuda_rng_tracker, get_rng_tracker, model_parallel_cuda_manual_seed
 from microspeed_pipeline.topology import get_default_grid
 
@@ -59,9 +61,11 @@ __all__ = [
     "CheckpointFunction",
     "CheckpointTimings",
     "CheckpointingSettings",
+    "CheckpointingState",
     "checkpoint",
     "checkpoint_timings",
     "configure",
+    "current_state",
     "get_cuda_rng_tracker",
     "get_settings",
     "is_configured",
@@ -71,6 +75,7 @@ __all__ = [
     "reset",
     "reset_checkpoint_timings",
     "set_num_layers",
+    "using",
 ]
 
 SECTION = "activation_checkpointing"
@@ -151,8 +156,12 @@ class CheckpointTimings:
     backward_total_s: float
 
 
-class _State:
-    """The process's checkpointing configuration, contiguous buffers and timings."""
+class CheckpointingState:
+    """One checkpointing configuration with its contiguous buffers and timings.
+
+    One per engine with the ``activation_checkpointing`` section, plus the standalone one for calls
+    outside any such engine (see the module docstring).
+    """
 
     def __init__(self) -> None:
         self.configured = False
@@ -166,7 +175,29 @@ class _State:
         self.logger: Any = None
 
 
-_STATE = _State()
+_State = CheckpointingState  # the name tests reset the standalone state with
+
+_STATE = CheckpointingState()
+"""The standalone state: the script's configuration, for calls outside any engine that has its own."""
+
+_IN_EFFECT: contextvars.ContextVar[CheckpointingState | None] = contextvars.ContextVar(
+    "microspeed_pipeline_checkpointing", default=None)
+
+
+def current_state() -> CheckpointingState:
+    """The state in effect here: the running engine's (:func:`using`), else the standalone one."""
+    state = _IN_EFFECT.get()
+    return state if state is not None else _STATE
+
+
+@contextlib.contextmanager
+def using(state: CheckpointingState | None) -> Iterator[None]:
+    """Put ``state`` in effect for the block (this thread / task only; ``None``: the standalone one)."""
+    token = _IN_EFFECT.set(state)
+    try:
+        yield
+    finally:
+        _IN_EFFECT.reset(token)
 
 
 # -- configuration -----------------------------------------------------------------------------
@@ -194,7 +225,9 @@ def configure(
     synchronize: bool | None = None,
     profile: bool | None = None,
 ) -> None:
-    """Configure activation checkpointing for this process (DeepSpeed's signature and order).
+    """Configure activation checkpointing (DeepSpeed's signature and order): the state in effect.
+
+    Outside an engine that has its own (see the module docstring) that is the standalone state.
 
     Every call starts from the defaults, then reads the ``activation_checkpointing`` section of
     ``deepspeed_config`` (a ds_config dict, a path to its JSON, or a ``microspeed.config.Config``)
@@ -222,26 +255,27 @@ def configure(
     parsed = parse({SECTION: section}, Section({SECTION: ACTIVATION_CHECKPOINTING_SECTION}))[SECTION]
     settings = CheckpointingSettings.from_section(parsed)
     settings.validate()
+    state = current_state()
     if mpu_ is not None:
         _check_mpu(mpu_)
-        _STATE.mpu = mpu_
-    _STATE.settings = settings
-    _STATE.configured = True
-    _release_contiguous_buffers()
+        state.mpu = mpu_
+    state.settings = settings
+    state.configured = True
+    state.buffers = {}
     if comm.get_rank() == 0:
-        _, tp_size, _ = _tensor_parallel()
-        _logger().info("activation checkpointing configured", tensor_parallel_size=tp_size,
+        _, tp_size, _ = _tensor_parallel(state)
+        _logger(state).info("activation checkpointing configured", tensor_parallel_size=tp_size,
                        **{f.name: getattr(settings, f.name) for f in fields(settings)})
 
 
 def is_configured() -> bool:
-    """Whether :func:`configure` has been called in this process."""
-    return _STATE.configured
+    """Whether the state in effect was configured (:func:`configure`, or its engine's section)."""
+    return current_state().configured
 
 
 def get_settings() -> CheckpointingSettings:
     """The settings :func:`checkpoint` uses now (the defaults before any :func:`configure`)."""
-    return _STATE.settings
+    return current_state().settings
 
 
 def reset() -> None:
@@ -251,40 +285,42 @@ def reset() -> None:
     with gradients enabled), else the next pass finds the buffers full. Slices still saved in the
     old buffers stay valid.
     """
-    _release_contiguous_buffers()
+    current_state().buffers = {}
 
 
 def set_num_layers(nlayers: int | None) -> None:
     """Set ``number_checkpoints`` (DeepSpeed's ``set_num_layers``)."""
-    _STATE.settings = replace(_STATE.settings, number_checkpoints=nlayers)
+    state = current_state()
+    state.settings = replace(state.settings, number_checkpoints=nlayers)
 
 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:
     """Turn ``partition_activations`` on or off (DeepSpeed's ``partition_activations_in_checkpoint``)."""
-    settings = replace(_STATE.settings, partition_activations=bool(partition_activation))
+    state = current_state()
+    settings = replace(state.settings, partition_activations=bool(partition_activation))
     settings.validate()
-    _STATE.settings = settings
+    state.settings = settings
 
 
 def checkpoint_timings() -> CheckpointTimings:
     """The forward and recompute+backward times measured with ``profile`` on."""
-    (fc, ft), (bc, bt) = _STATE.totals["forward"], _STATE.totals["backward"]
-    return CheckpointTimings(tuple(_STATE.forward_times), tuple(_STATE.backward_times), fc, bc, ft, bt)
+    state = current_state()
+    (fc, ft), (bc, bt) = state.totals["forward"], state.totals["backward"]
+    return CheckpointTimings(tuple(state.forward_times), tuple(state.backward_times), fc, bc, ft, bt)
 
 
 def reset_checkpoint_timings() -> None:
     """Forget the times :func:`checkpoint_timings` reports."""
-    _STATE.forward_times.clear()
-    _STATE.backward_times.clear()
-    _STATE.totals = {"forward": [0, 0.0], "backward": [0, 0.0]}
+    state = current_state()
+    state.forward_times.clear()
+    state.backward_times.clear()
+    state.totals = {"forward": [0, 0.0], "backward": [0, 0.0]}
 
 
-def _logger() -> Any:
-    if _STATE.logger is None:
-        from microspeed.log import get_logger
-
-        _STATE.logger = get_logger("activation_checkpointing")
-    return _STATE.logger
+def _logger(state: CheckpointingState) -> Any:
+    if state.logger is None:
+        state.logger = get_logger("activation_checkpointing")
+    return state.logger
 
 
 def _check_mpu(mpu: Any) -> None:
@@ -296,9 +332,9 @@ def _check_mpu(mpu: Any) -> None:
                     "names), as microspeed_pipeline.ParallelGrid has; pass None for one tensor-parallel rank.")
 
 
-def _tensor_parallel() -> tuple[int, int, Any]:
-    """``(rank, size, group)`` of the tensor-parallel axis: the configured mpu's, the default grid's, or 1."""
-    mpu = _STATE.mpu if _STATE.mpu is not None else get_default_grid()
+def _tensor_parallel(state: CheckpointingState) -> tuple[int, int, Any]:
+    """``(rank, size, group)`` of the tensor-parallel axis: the configured mpu's, the grid in effect's, or 1."""
+    mpu = state.mpu if state.mpu is not None else get_default_grid()
     if mpu is None:
         return 0, 1, None
     if callable(getattr(mpu, "get_tensor_model_parallel_rank", None)):
@@ -334,13 +370,13 @@ def _clock(devices: list[torch.device]) -> float:
     return time.perf_counter()
 
 
-def _record(kind: str, seconds: float) -> None:
-    times = _STATE.forward_times if kind == "forward" else _STATE.backward_times
+def _record(state: CheckpointingState, kind: str, seconds: float) -> None:
+    times = state.forward_times if kind == "forward" else state.backward_times
     times.append(seconds)
-    total = _STATE.totals[kind]
+    total = state.totals[kind]
     total[0] += 1
     total[1] += seconds
-    _logger().info(f"activation checkpoint {kind}", seconds=round(seconds, 6), count=total[0])
+    _logger(state).info(f"activation checkpoint {kind}", seconds=round(seconds, 6), count=total[0])
 
 
 class _RNGStates:
@@ -395,24 +431,28 @@ class _ContiguousBuffer:
                 self.data.untyped_storage(), row * numel, (numel,))
 
 
-def _release_contiguous_buffers() -> None:
-    _STATE.buffers = {}
-
-
 @dataclass(frozen=True)
 class _Plan:
-    """What one :func:`checkpoint` call does: a snapshot of the settings and the tensor-parallel axis."""
+    """What one :func:`checkpoint` call does: a snapshot of the settings and the tensor-parallel axis.
+
+    ``state`` is the :class:`CheckpointingState` the call was made under (its buffers and timings).
+    """
 
     settings: CheckpointingSettings
     tp_rank: int
     tp_size: int
     tp_group: Any
+    state: CheckpointingState | None = None
 
     @property
     def transforms(self) -> bool:
         s = self.settings
         return (s.partition_activations and (self.tp_size > 1 or s.contiguous_memory_optimization)) \
             or s.cpu_checkpointing
+
+
+def _plan_state(plan: _Plan) -> CheckpointingState:
+    return plan.state if plan.state is not None else current_state()
 
 
 @dataclass(frozen=True)
@@ -443,9 +483,10 @@ def _partition(t: torch.Tensor, plan: _Plan, index: int) -> torch.Tensor:
     target = torch.device("cpu") if s.cpu_checkpointing else t.device
     if s.contiguous_memory_optimization:
         key = (index, t.dtype, target, size)
-        buf = _STATE.buffers.get(key)
+        state = plan.state if plan.state is not None else current_state()
+        buf = state.buffers.get(key)
         if buf is None:
-            buf = _STATE.buffers[key] = _ContiguousBuffer(s.number_checkpoints, size, t.dtype, target)
+            buf = state.buffers[key] = _ContiguousBuffer(s.number_checkpoints, size, t.dtype, target)
         if end - start == size:
             return buf.take(flat[start:end])
         piece = flat.new_zeros(size)
@@ -513,12 +554,13 @@ class CheckpointFunction(torch.autograd.Function):
             _synchronize(devices)
         start = _clock(devices) if s.profile else 0.0
         ctx.run_function, ctx.plan, ctx.devices = run_function, plan, devices
+        ctx.context = contextvars.copy_context()  # the recompute runs under the forward's state and grid
         _save_inputs(ctx, plan, args)  # before the run: a function that changes its inputs in place
         ctx.rng = _RNGStates()
         with torch.no_grad():
             outputs = run_function(*args)
         if s.profile:
-            _record("forward", _clock(devices) - start)
+            _record(_plan_state(plan), "forward", _clock(devices) - start)
         if s.synchronize_checkpoint_boundary:
             _synchronize(devices)
         if torch.is_tensor(outputs):
@@ -541,7 +583,7 @@ class CheckpointFunction(torch.autograd.Function):
         plan: _Plan = ctx.plan
         s = plan.settings
         if s.contiguous_memory_optimization:
-            _release_contiguous_buffers()  # the next forward pass takes fresh buffers (DeepSpeed)
+            _plan_state(plan).buffers = {}  # the next forward pass takes fresh buffers (DeepSpeed)
         saved = ctx.saved_tensors
         devices = ctx.devices
         if s.synchronize_checkpoint_boundary:
@@ -555,7 +597,7 @@ class CheckpointFunction(torch.autograd.Function):
             else:
                 inputs.append(entry)
         with ctx.rng.swapped_in(), torch.enable_grad():
-            outputs = ctx.run_function(*inputs)
+            outputs = ctx.context.run(ctx.run_function, *inputs)
         if torch.is_tensor(outputs):
             outputs = (outputs,)
         pairs = [(o, g) for o, g in zip(outputs, grads, strict=False) if torch.is_tensor(o) and o.requires_grad]
@@ -564,7 +606,7 @@ class CheckpointFunction(torch.autograd.Function):
                                "checkpoint is not needed there (or the function ignores its inputs).")
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if s.profile:
-            _record("backward", _clock(devices) - start)
+            _record(_plan_state(plan), "backward", _clock(devices) - start)
         if s.synchronize_checkpoint_boundary:
             _synchronize(devices)
         return (None, None, *[x.grad if torch.is_tensor(x) and x.requires_grad else None for x in inputs])
@@ -602,7 +644,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         warnings.warn("checkpoint(): no tensor input requires grad, so the parameters inside the function "
                       "will get no gradient; make an input require grad or use non_reentrant_checkpoint().",
                       stacklevel=2)
-    plan = _Plan(_STATE.settings, *_tensor_parallel())
+    state = current_state()
+    plan = _Plan(state.settings, *_tensor_parallel(state), state=state)
     outputs = CheckpointFunction.apply(function, plan, *args)
     return outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
 
@@ -616,16 +659,18 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
     ``synchronize_checkpoint_boundary`` and ``profile`` apply to :func:`checkpoint` only (a warning
     says so once when one of them is on).
     """
-    s = _STATE.settings
+    state = current_state()
+    s = state.settings
     active = s.memory_options() + [k for k in ("synchronize_checkpoint_boundary", "profile") if getattr(s, k)]
-    if active and not _STATE.warned_non_reentrant:
-        _STATE.warned_non_reentrant = True
+    if active and not state.warned_non_reentrant:
+        state.warned_non_reentrant = True
         warnings.warn(f"non_reentrant_checkpoint() does not apply {SECTION}.{', '.join(active)}; "
                       "use checkpoint() for them.", stacklevel=2)
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     tracker = get_rng_tracker()
     forward_states = tracker.get_states()
+    context = contextvars.copy_context()  # the recompute runs under the forward's state and grid
     runs = 0
 
     def run(*a: Any, **k: Any) -> Any:
@@ -636,7 +681,7 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
         outer = tracker.get_states()
         tracker.set_states(forward_states)
         try:
-            return function(*a, **k)
+            return context.run(function, *a, **k)
         finally:
             tracker.set_states(outer)
 

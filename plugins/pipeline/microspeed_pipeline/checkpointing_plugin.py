@@ -1,47 +1,57 @@
 """The ``activation_checkpointing`` plugin: DeepSpeed's ds_config section for ``deepspeed.checkpointing``.
 
 It claims the section (DeepSpeed's keys and defaults, see
-:data:`~microspeed_pipeline.checkpointing.ACTIVATION_CHECKPOINTING_SECTION`), refuses at
+:data:`~microspeed_pipeline.checkpointing.ACTIVATION_CHECKPOINTING_SECTION`) and refuses at
 ``initialize()`` the combinations DeepSpeed refuses (``contiguous_memory_optimization`` without
-``partition_activations`` or without ``number_checkpoints``), and, when the user wrote the section,
-calls :func:`microspeed_pipeline.checkpointing.configure` at setup with those values and the
-tensor-parallel grid: the default grid (:func:`~microspeed_pipeline.topology.get_default_grid`), else
-the ``mpu`` given to ``initialize(mpu=...)``, else none (the one configured before, or a
-tensor-parallel size of 1). The model then checkpoints its layers with
-``deepspeed.checkpointing.checkpoint(...)`` as in DeepSpeed. Without the section it leaves the
-process's checkpointing configuration as the script set it.
-
-The configuration is process wide (see :mod:`microspeed_pipeline.checkpointing` for why): with
-two engines in one process, the last one set up with the section wins.
+``partition_activations`` or without ``number_checkpoints``). When the user wrote the section, the
+engine gets a :class:`~microspeed_pipeline.checkpointing.CheckpointingState` of its own, configured
+with those values and its tensor-parallel grid (a PipelineModule's, else the ``mpu`` given to
+``initialize(mpu=...)``, else the script's default grid, else a tensor-parallel size of 1). That
+state is in effect while the engine's model runs (``deepspeed.checkpointing.checkpoint(...)``,
+``get_settings()``, ``checkpoint_timings()`` called from the model see it), so another engine in the
+same process, and code outside any engine, never see it. Without the section the engine uses the
+script's (standalone) configuration, as in DeepSpeed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from microspeed.hookspecs import hookimpl
+from torch import nn
+
+from microspeed.plugin_api import hookimpl
 from microspeed_pipeline import checkpointing
-from microspeed_pipeline.checkpointing import ACTIVATION_CHECKPOINTING_SECTION, SECTION, CheckpointingSettings
+from microspeed_pipeline.checkpointing import (
+    ACTIVATION_CHECKPOINTING_SECTION,
+    SECTION,
+    CheckpointingSettings,
+    CheckpointingState,
+)
+from microspeed_pipeline.module import PipelineModule
 from microspeed_pipeline.topology import get_default_grid
 
 
 class ActivationCheckpointingPlugin:
-    """Claims ``activation_checkpointing`` and configures ``deepspeed.checkpointing`` from it.
+    """Claims ``activation_checkpointing`` and gives the engine its own checkpointing configuration.
 
     Per-engine state (``engine.plugin_state("activation_checkpointing")``): ``settings`` (a
-    :class:`~microspeed_pipeline.checkpointing.CheckpointingSettings`) and ``active`` (whether the
-    section was given, so this engine configured the process).
+    :class:`~microspeed_pipeline.checkpointing.CheckpointingSettings`), ``active`` (whether the
+    section was given) and ``state`` (this engine's
+    :class:`~microspeed_pipeline.checkpointing.CheckpointingState`: settings, grid, buffers, timings).
     """
 
     def __init__(self) -> None:
         self.settings = CheckpointingSettings()
         self.active = False
         self.mpu: Any = None
+        self.state = CheckpointingState()
+        self._tokens: list[Any] = []
 
     @hookimpl(wrapper=True)
-    def microspeed_make_topology(self, mpu: Any) -> Any:
-        """Note the user's ``initialize(mpu=...)``; the topology is whoever answers."""
-        self.mpu = mpu
+    def microspeed_make_topology(self, mpu: Any, model: Any = None) -> Any:
+        """Note the grid: a PipelineModule's own, else the user's ``initialize(mpu=...)``; the topology is whoever
+        answers."""
+        self.mpu = model.mpu() if isinstance(model, PipelineModule) else mpu
         return (yield)
 
     @hookimpl
@@ -58,18 +68,36 @@ class ActivationCheckpointingPlugin:
 
     @hookimpl
     def microspeed_setup(self, engine: Any) -> None:
-        """Configure the process's checkpointing from the section, when the user wrote it."""
+        """Configure this engine's checkpointing state from the section, when the user wrote it."""
         engine.set_plugin_state(SECTION, self)
         if not self.active:
             return
         s = self.settings
-        grid = get_default_grid()
-        checkpointing.configure(
-            grid if grid is not None else self.mpu,
-            partition_activations=s.partition_activations,
-            contiguous_checkpointing=s.contiguous_memory_optimization,
-            num_checkpoints=s.number_checkpoints,
-            checkpoint_in_cpu=s.cpu_checkpointing,
-            synchronize=s.synchronize_checkpoint_boundary,
-            profile=s.profile,
-        )
+        grid = self.mpu if self.mpu is not None else get_default_grid()
+        with checkpointing.using(self.state):
+            checkpointing.configure(
+                grid,
+                partition_activations=s.partition_activations,
+                contiguous_checkpointing=s.contiguous_memory_optimization,
+                num_checkpoints=s.number_checkpoints,
+                checkpoint_in_cpu=s.cpu_checkpointing,
+                synchronize=s.synchronize_checkpoint_boundary,
+                profile=s.profile,
+            )
+
+    @hookimpl
+    def microspeed_after_model_ready(self, engine: Any, model: nn.Module) -> None:
+        """Put this engine's state in effect while its model (or a PipelineModule inside it) runs."""
+        if not self.active:
+            return
+        targets = [model] + [m for m in model.modules() if isinstance(m, PipelineModule) and m is not model]
+        for module in targets:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._leave, always_call=True)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._tokens.append(checkpointing._IN_EFFECT.set(self.state))
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._tokens:
+            checkpointing._IN_EFFECT.reset(self._tokens.pop())

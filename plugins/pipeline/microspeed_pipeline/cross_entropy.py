@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed import comm
+from microspeed.plugin_api import comm
 from microspeed_pipeline.tensor_parallel import get_tensor_model_parallel_group
 
 __all__ = ["vocab_parallel_cross_entropy"]

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 from microspeed_pipeline.topology import (
     ParallelGrid,
     PipeDataParallelTopology,
     ProcessTopology,
-    set_default_grid,
+    using_grid,
 )
 
 
@@ -186,7 +186,6 @@ class PipelineModule(nn.Module):
                               f"expected >= 0.")
         self._topo = topology
         self._grid = ParallelGrid(topology)
-        set_default_grid(self._grid)  # tensor-parallel layers built below find their group here
         self.num_stages = topology.get_dim("pipe")
         self.stage_id = self._grid.get_stage_id()
         self.num_chunks = num_chunks
@@ -198,15 +197,16 @@ class PipelineModule(nn.Module):
         self.checkpointable_layers = checkpointable_layers
         self._layer_specs = list(layers)
         self.partition_method = partition_method
-        self.parts = self._partition(partition_method)
-        self.tied_modules = nn.ModuleDict()
-        self.tied_weight_attrs: dict[str, list[str]] = {}
-        self._tie_groups: dict[str, Any] = {}
-        self._funcs: dict[int, list[tuple[int, Any]]] = {}
-        for chunk in range(num_chunks):
-            self._funcs[chunk] = self._build_chunk(chunk)
-        self._make_tie_groups()
-        self._synchronize_tied_weights()
+        with using_grid(self._grid):  # tensor-parallel layers built below find their group here
+            self.parts = self._partition(partition_method)
+            self.tied_modules = nn.ModuleDict()
+            self.tied_weight_attrs: dict[str, list[str]] = {}
+            self._tie_groups: dict[str, Any] = {}
+            self._funcs: dict[int, list[tuple[int, Any]]] = {}
+            for chunk in range(num_chunks):
+                self._funcs[chunk] = self._build_chunk(chunk)
+            self._make_tie_groups()
+            self._synchronize_tied_weights()
 
     # -- partition ---------------------------------------------------------------------
 
@@ -359,7 +359,11 @@ class PipelineModule(nn.Module):
         return x
 
     def forward(self, forward_input: Any, chunk: int = 0) -> Any:
-        """Run this rank's layers of ``chunk`` on ``forward_input``."""
+        """Run this rank's layers of ``chunk`` on ``forward_input`` (with this module's grid in effect)."""
+        with using_grid(self._grid):
+            return self._forward(forward_input, chunk)
+
+    def _forward(self, forward_input: Any, chunk: int) -> Any:
         funcs = self._funcs[chunk]
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():

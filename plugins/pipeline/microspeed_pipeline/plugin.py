@@ -9,13 +9,17 @@ process grid) or when ``initialize(mpu=...)`` receives a :class:`~microspeed_pip
   group is one replica's *slice* (every stage and tensor shard), over which norms are summed;
 * ``train_batch`` / ``eval_batch``: the pipeline schedule (:mod:`microspeed_pipeline.runtime`);
   ``engine(x)`` is refused with more than one stage, as DeepSpeed's pipeline engine does;
-* ``clip_gradients``: the global norm counts each gradient once — tied copies on later stages
-  and tensor-parallel replicas (biases, norms) on tensor rank > 0 are left out of the sum;
+* ``grad_norm_rules``: the global norm counts each gradient once — tied copies on later stages
+  and tensor-parallel replicas (biases, norms) on tensor rank > 0 are skipped; the kernel sums the
+  rest over the slice group (the topology's model-parallel group) and the built-in clips once;
 * ``checkpoint_module_tensors``: tensor-parallel shards are presented as pieces of their full
   tensors, so checkpoints load under another tensor-parallel size.
 
-ZeRO stage 2 and 3 are refused with a pipeline of more than one stage: they reduce gradients from
-autograd hooks during backward, which the schedule interleaves across micro-batches.
+* ``conflicts``: what a plugin that partitions gradients (ZeRO, asked through the typed
+  :class:`~microspeed.plugin_api.GradientPartitioning` capability) cannot combine with: stages 2 and
+  3 with more than one pipeline stage (they reduce gradients from autograd hooks during backward,
+  which the schedule interleaves across micro-batches), and any stage with tensor parallelism or with
+  clipped tied weights.
 """
 
 from __future__ import annotations
@@ -24,13 +28,19 @@ from typing import Any
 
 import torch
 
-from microspeed import comm
-from microspeed.config import Field, Section, non_negative
-from microspeed.errors import ConfigError
-from microspeed.hookspecs import hookimpl
-from microspeed.topology import Topology
+from microspeed.plugin_api import (
+    Capabilities,
+    ConfigError,
+    Field,
+    GradientPartitioning,
+    NormRule,
+    Section,
+    Topology,
+    hookimpl,
+    non_negative,
+)
 from microspeed_pipeline.module import PipelineModule
-from microspeed_pipeline.topology import ParallelGrid, get_default_grid
+from microspeed_pipeline.topology import ParallelGrid, get_default_grid, using_grid
 
 SCHEDULES = (None, "1f1b", "interleaved", "gpipe")
 """Values of ``pipeline.schedule``: ``null`` (the default) is ``interleaved`` for a module with ``num_chunks > 1``,
@@ -104,13 +114,6 @@ class PipelinePlugin:
                                   "build the model as PipelineModule(layers=..., num_stages=...) or remove the "
                                   "section.")
             return
-        stage = config.get("zero_optimization.stage", 0) or 0
-        if self.module.num_stages > 1 and stage >= 2:
-            raise ConfigError(f"zero_optimization.stage={stage}: a pipeline of {self.module.num_stages} stages "
-                              f"combines with ZeRO stage 0 or 1 only (stages 2 and 3 reduce gradients during "
-                              f"backward, which the pipeline schedule interleaves across micro-batches); set "
-                              f"zero_optimization.stage to 1.")
-        self._check_zero(config, stage)
         section = config["pipeline"]
         if section["activation_checkpoint_interval"] > 0:  # as DeepSpeed's PipelineEngine
             self.module.activation_checkpoint_interval = section["activation_checkpoint_interval"]
@@ -122,19 +125,37 @@ class PipelinePlugin:
             raise ConfigError(f"pipeline.schedule={config['pipeline']['schedule']!r}: the PipelineModule has "
                               f"num_chunks={self.module.num_chunks}, which only the 'interleaved' schedule runs.")
 
-    def _check_zero(self, config: Any, stage: int) -> None:
-        """ZeRO measures gradient norms itself, unaware of tied copies and tensor-parallel shards."""
-        if stage < 1:
-            return
-        if self.grid.get_model_parallel_world_size() > 1:
-            raise ConfigError(f"zero_optimization.stage={stage}: ZeRO with tensor parallelism (model axis "
-                              f"{self.grid.get_model_parallel_world_size()}) is not supported; use ZeRO with a "
-                              f"pipeline and data parallelism only, or set zero_optimization.stage to 0.")
+    @hookimpl
+    def microspeed_conflicts(self, config: Any, capabilities: Capabilities) -> list[tuple[str, str]] | None:
+        """What a grid cannot combine with when another plugin partitions gradients (ZeRO).
+
+        Asked through the typed :class:`GradientPartitioning` capability, whose ``config_key`` and
+        ``disable_hint`` name the key and the fix: stages 2 and 3 with several pipeline stages (they
+        reduce gradients from autograd hooks during backward, which the schedule interleaves across
+        micro-batches), any stage with tensor parallelism or with clipped tied weights (the partitioned
+        norm cannot tell the copies that another rank counts).
+        """
+        part = capabilities.get(GradientPartitioning)
+        if self.module is None or part is None or part.stage < 1:
+            return None
+        key, setting = part.config_key, f"{part.config_key}={part.stage}"
+        out = []
+        if self.module.num_stages > 1 and part.stage >= 2:
+            out.append((key, f"{setting}: a pipeline of {self.module.num_stages} stages combines with stage 0 or 1 "
+                             f"only (stages 2 and 3 reduce gradients during backward, which the pipeline schedule "
+                             f"interleaves across micro-batches); set {key} to 1."))
+        tp = self.grid.get_model_parallel_world_size()
+        if tp > 1:
+            out.append((key, f"{setting}: gradient partitioning with tensor parallelism (model axis {tp}) is not "
+                             f"supported; use it with a pipeline and data parallelism only, or "
+                             f"{part.disable_hint}."))
         tied = [k for k in self.module._tie_keys() if len(self.module.tied_owner_stages(k)) > 1]
-        if tied and config["gradient_clipping"] > 0:
-            raise ConfigError(f"gradient_clipping={config['gradient_clipping']}: with ZeRO the gradient norm would "
-                              f"count the tied weights {tied} once per stage that holds them; set "
-                              f"gradient_clipping to 0 or zero_optimization.stage to 0.")
+        clipping = config["gradient_clipping"]
+        if tied and clipping > 0:
+            out.append(("gradient_clipping", f"gradient_clipping={clipping}: with gradient partitioning ({setting}) "
+                                             f"the gradient norm would count the tied weights {tied} once per stage "
+                                             f"that holds them; set gradient_clipping to 0 or {part.disable_hint}."))
+        return out
 
     @hookimpl
     def microspeed_after_model_ready(self, engine: Any, model: torch.nn.Module) -> None:
@@ -182,7 +203,8 @@ class PipelinePlugin:
         """Run the pipeline schedule."""
         if self.runtime is None:
             return None
-        return self.runtime.train_batch(data_iter)
+        with using_grid(self.grid):  # a loss function may ask for the tensor-parallel group
+            return self.runtime.train_batch(data_iter)
 
     @hookimpl
     def microspeed_eval_batch(self, engine: Any, data_iter: Any, return_logits: bool, compute_loss: bool,
@@ -190,12 +212,18 @@ class PipelinePlugin:
         """Run the inference schedule."""
         if self.runtime is None:
             return None
-        return self.runtime.eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss,
-                                       num_micro_batches)
+        with using_grid(self.grid):
+            return self.runtime.eval_batch(data_iter, return_logits, compute_loss, reduce_output, bcast_loss,
+                                           num_micro_batches)
 
     # -- gradient norm -------------------------------------------------------------------
 
-    def _duplicate_names(self, engine: Any) -> set[str]:
+    def duplicate_names(self, engine: Any) -> set[str]:
+        """Names of this rank's parameters whose gradients another rank of the slice already counts.
+
+        The copies of a tied weight on every stage but its first owner, and the parameters that are
+        replicated across the tensor-parallel group (biases, norms) on tensor rank > 0.
+        """
         from microspeed_pipeline.tensor_parallel import is_tensor_parallel_duplicate
 
         names = set(self.module.tied_duplicate_names()) if self.module is not None else set()
@@ -206,35 +234,11 @@ class PipelinePlugin:
         return names
 
     @hookimpl
-    def microspeed_clip_gradients(self, engine: Any, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """The global norm over the slice group, each gradient counted once; clip as configured."""
+    def microspeed_grad_norm_rules(self, engine: Any) -> dict[str, NormRule] | None:
+        """Skip the copies another rank counts; the kernel sums the rest over the slice (model-parallel) group."""
         if self.grid is None:
             return None
-        from microspeed.builtin.gradient_clipping import clip_
-
-        duplicates = self._duplicate_names(engine)
-        names: dict[int, str] = {id(p): n for n, p in engine.module.named_parameters()}
-        for extra in engine.hook.microspeed_optimizer_param_names(engine=engine):
-            names.update(extra or {})
-        skip = set()
-        if engine.optimizer is not None:
-            for group in engine.optimizer.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None and names.get(id(p)) in duplicates:
-                        skip.add(id(p.grad))
-        grads = [g for g in grads if g is not None]
-        counted = [g for g in grads if id(g) not in skip]
-        sq = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        if counted:
-            sq = torch.stack([n.float() for n in torch._foreach_norm(counted, 2.0)]).square().sum()
-        if self.grid.get_slice_parallel_world_size() > 1:
-            comm.all_reduce(sq, group=self.grid.get_slice_parallel_group())
-        norm = sq.sqrt()
-        max_norm = self.config["gradient_clipping"] if self.config is not None else 0.0
-        if max_norm > 0:
-            clip_(grads, max_norm, norm)
-        return norm
-
+        return {name: NormRule(skip=True) for name in sorted(self.duplicate_names(engine))}
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -243,8 +247,7 @@ class PipelinePlugin:
         """Tensor-parallel shards as boxes of their full tensors (one data-parallel replica writes them)."""
         if self.grid is None or self.grid.get_model_parallel_world_size() == 1:
             return None
-        from microspeed.checkpoint import Placement
-        from microspeed.errors import ConfigError as _ConfigError
+        from microspeed.plugin_api import Placement
 
         g = self.grid
         tp, tp_ranks = g.get_model_parallel_world_size(), g.group_ranks["model"]
@@ -254,7 +257,7 @@ class PipelinePlugin:
                 continue
             dim = p.partition_dim
             if getattr(p, "partition_stride", 1) != 1:
-                raise _ConfigError(f"checkpoint: {name} is split with partition_stride="
+                raise ConfigError(f"checkpoint: {name} is split with partition_stride="
                                    f"{p.partition_stride}; only stride 1 shards can be saved as boxes.")
             local = tuple(p.shape)
             shape = tuple(n * tp if d == dim else n for d, n in enumerate(local))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed.engine import StepContext
+from microspeed.plugin_api import StepContext
 from microspeed_pipeline import schedule as sched
 from microspeed_pipeline.module import PipelineModule
 from microspeed_pipeline.p2p import P2P, as_tuple

@@ -56,8 +56,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from microspeed import comm
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError, comm
 from microspeed_pipeline.topology import get_default_grid
 
 __all__ = [
@@ -89,7 +88,10 @@ InitMethod = Callable[[torch.Tensor], Any]
 
 
 def get_tensor_model_parallel_group(group: Any = None) -> Any:
-    """The tensor-parallel group to use: ``group`` if given, else the default grid's model-parallel group.
+    """The tensor-parallel group to use: ``group`` if given, else the model-parallel group of the grid in effect.
+
+    The grid in effect (:func:`~microspeed_pipeline.topology.get_default_grid`) is the PipelineModule's
+    while it builds or runs its layers, else the one the script set with ``initialize_model_parallel``.
 
     Without a default grid, returns ``None`` (the dense case) when ``torch.distributed`` is not
     initialised or its world has one rank, and raises :class:`~microspeed.errors.ConfigError` when
@@ -105,7 +107,8 @@ def get_tensor_model_parallel_group(group: Any = None) -> Any:
     raise ConfigError(
         f"tensor parallelism: no tensor-parallel group. The world has {dist.get_world_size()} ranks but no "
         "default grid is set; call microspeed_pipeline.initialize_model_parallel(tensor_model_parallel_size=...) "
-        "on every rank first (or build the pipeline engine, which sets it), or pass group=<the tensor-parallel "
+        "on every rank first (or build the layers from a PipelineModule's layer specs, which puts its grid in "
+        "effect while it builds and runs them), or pass group=<the tensor-parallel "
         "process group> to the layer or function."
     )
 

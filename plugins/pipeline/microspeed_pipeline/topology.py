@@ -14,13 +14,16 @@ group over which gradient norms are summed.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import namedtuple
+from collections.abc import Iterator
 from itertools import product
 from typing import Any
 
 import torch.distributed as dist
 
-from microspeed.errors import ConfigError
+from microspeed.plugin_api import ConfigError
 
 
 class ProcessTopology:
@@ -273,23 +276,49 @@ class ParallelGrid:
                 f"model={self.model_parallel_id}/{self.model_parallel_size})")
 
 
-_DEFAULT_GRID: list[ParallelGrid] = []
+class _StandaloneGrid:
+    """The grid a script installs with :func:`set_default_grid` / :func:`initialize_model_parallel`."""
+
+    def __init__(self) -> None:
+        self.grid: ParallelGrid | None = None
+
+
+_STANDALONE = _StandaloneGrid()
+"""Only for code that runs outside any PipelineModule (Megatron-style scripts): never set by an engine."""
+
+_IN_EFFECT: contextvars.ContextVar[ParallelGrid | None] = contextvars.ContextVar("microspeed_pipeline_grid",
+                                                                                 default=None)
 
 
 def set_default_grid(grid: ParallelGrid | None) -> None:
-    """Make ``grid`` the one tensor-parallel layers use when built without an explicit ``group``.
+    """Make ``grid`` the one tensor-parallel layers use when built without an explicit ``group`` (Megatron's mpu).
 
-    The grid describes the processes (like ``torch.distributed``'s default group), so it is process
-    wide; the pipeline plugin sets it when it builds one, :func:`initialize_model_parallel` too.
+    This is the script's grid, for code that runs outside any :class:`~microspeed_pipeline.PipelineModule`
+    (:func:`initialize_model_parallel` sets it). A PipelineModule never changes it: it puts its own grid
+    in effect only while it builds and runs its layers (:func:`using_grid`), so two models (and two
+    engines) in one process never see each other's grid.
     """
-    _DEFAULT_GRID.clear()
-    if grid is not None:
-        _DEFAULT_GRID.append(grid)
+    _STANDALONE.grid = grid
+
+
+@contextlib.contextmanager
+def using_grid(grid: ParallelGrid | None) -> Iterator[None]:
+    """Put ``grid`` in effect for the block (this thread / task only); the previous one afterwards."""
+    token = _IN_EFFECT.set(grid)
+    try:
+        yield
+    finally:
+        _IN_EFFECT.reset(token)
 
 
 def get_default_grid() -> ParallelGrid | None:
-    """The grid set by :func:`set_default_grid` (``None`` before any)."""
-    return _DEFAULT_GRID[0] if _DEFAULT_GRID else None
+    """The grid in effect here: the PipelineModule's that is being built or run, else the script's.
+
+    The script's is the one :func:`set_default_grid` / :func:`initialize_model_parallel` set (``None``
+    before any).
+    """
+    grid = _IN_EFFECT.get()
+    return grid if grid is not None else _STANDALONE.grid
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,

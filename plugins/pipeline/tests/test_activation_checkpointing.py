@@ -617,10 +617,12 @@ def test_engine_trains_identically(section):
     assert torch.equal(base_losses, losses)
     assert all(torch.equal(a, b) for a, b in zip(base_params, params, strict=True))
     state = engine.plugin_state("activation_checkpointing")
-    assert state.active and ckpt.is_configured()
-    assert ckpt.get_settings() == ckpt.CheckpointingSettings.from_section(section)
-    if section.get("profile"):
-        assert ckpt.checkpoint_timings().forward_count == 4 * 4
+    assert not ckpt.is_configured()  # the engine's settings are its own: the script's stay untouched
+    with ckpt.using(state.state):  # what the model's code sees while this engine runs it
+        assert state.active and ckpt.is_configured()
+        assert ckpt.get_settings() == ckpt.CheckpointingSettings.from_section(section)
+        if section.get("profile"):
+            assert ckpt.checkpoint_timings().forward_count == 4 * 4
 
 
 def test_engine_without_the_section_leaves_the_configuration_alone():
@@ -648,7 +650,73 @@ def test_plugin_configures_with_the_users_mpu_without_a_default_grid(monkeypatch
             self.state = (name, state)
 
     plugin.microspeed_setup(Engine())
-    assert ckpt._STATE.mpu is mpu and ckpt.is_configured()
+    assert plugin.state.mpu is mpu and plugin.state.configured  # the engine's own state ...
+    assert ckpt._STATE.mpu is None and not ckpt.is_configured()  # ... not the script's
+
+
+class SettingsRecorder(CheckpointedNet):
+    """CheckpointedNet that records, at each forward, the checkpointing settings its code sees."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.seen: list[ckpt.CheckpointingSettings] = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen.append(ckpt.get_settings())
+        return super().forward(x, y)
+
+
+def test_two_engines_keep_their_own_checkpointing_configuration():
+    """Two engines with different sections, trained in turns in one process: neither sees the other's."""
+    ckpt.configure(None, checkpoint_in_cpu=True)  # the script's own configuration, outside any engine
+    a_section = {"profile": True}
+    b_section = {"partition_activations": True, "contiguous_memory_optimization": True, "number_checkpoints": 4}
+    a_model, b_model = SettingsRecorder(), SettingsRecorder()
+    a, *_ = microspeed.initialize(model=a_model, config=_engine_config(a_section))
+    b, *_ = microspeed.initialize(model=b_model, config=_engine_config(b_section))
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(2, 8, generator=gen), torch.randn(2, 1, generator=gen)) for _ in range(3)]
+    losses: dict = {"a": [], "b": []}
+    for x, y in batches:
+        for name, engine in (("a", a), ("b", b)):
+            torch.manual_seed(9 + len(losses[name]))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses[name].append(loss.detach())
+    assert torch.equal(torch.stack(losses["a"]), torch.stack(losses["b"]))  # same model, same data: same run
+    assert a_model.seen == [ckpt.CheckpointingSettings.from_section(a_section)] * 3
+    assert b_model.seen == [ckpt.CheckpointingSettings.from_section(b_section)] * 3
+    a_state = a.plugin_state("activation_checkpointing").state
+    b_state = b.plugin_state("activation_checkpointing").state
+    with ckpt.using(a_state):
+        assert ckpt.checkpoint_timings().forward_count == 3 * 4  # only a's checkpoints were timed
+    with ckpt.using(b_state):
+        assert ckpt.checkpoint_timings().forward_count == 0 and ckpt.get_settings().partition_activations
+    assert b_state.buffers == {}  # b's contiguous buffers let go at its backward; a never had any
+    assert ckpt.get_settings() == ckpt.CheckpointingSettings(cpu_checkpointing=True)  # the script's, untouched
+    assert ckpt.checkpoint_timings().forward_count == 0
+
+
+def test_a_pipeline_module_puts_its_grid_in_effect_only_while_it_builds_and_runs():
+    from microspeed_pipeline import LayerSpec, PipelineModule, get_default_grid, set_default_grid
+
+    saved = get_default_grid()
+    set_default_grid(None)
+    try:
+        seen = []
+
+        class Probe(nn.Module):
+            def forward(self, x):
+                seen.append(get_default_grid())
+                return x
+
+        module = PipelineModule([LayerSpec(nn.Linear, 4, 4), LayerSpec(Probe)], num_stages=1)
+        assert get_default_grid() is None  # not left behind for the process
+        module(torch.randn(2, 4))
+        assert seen == [module.mpu()] and get_default_grid() is None
+    finally:
+        set_default_grid(saved)
 
 
 @pytest.mark.parametrize(("section", "key"), [
