@@ -25,11 +25,11 @@ What is here, by concern:
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from microspeed import comm
 from microspeed.capabilities import Capabilities, Capability, GradientPartitioning, LossScaling, Role
-from microspeed.checkpoint import CheckpointError, CheckpointWarning, Placement, flat_shard
-from microspeed.checkpoint.manifest import TensorRef
-from microspeed.checkpoint.manifest import split as split_tensor_refs
 from microspeed.config import Config, Field, Section, load_raw, non_negative, parse, positive
 from microspeed.engine import StepContext
 from microspeed.errors import ConfigError, EngineUsageError, PluginError
@@ -46,6 +46,32 @@ from microspeed.hookspecs import StepOutcome, hookimpl
 from microspeed.log import get_logger
 from microspeed.ops.backend import env_choice, kernel_backend
 from microspeed.topology import Topology
+
+if TYPE_CHECKING:
+    from microspeed.checkpoint import CheckpointError, CheckpointWarning, Placement, flat_shard
+    from microspeed.checkpoint.manifest import TensorRef
+    from microspeed.checkpoint.manifest import split as split_tensor_refs
+
+#: Checkpoint names, imported on first use: ``torch.distributed.checkpoint`` (DTensor, sympy) costs seconds
+#: to import, and most plugins need it only when a checkpoint is written.
+_LAZY = {
+    "CheckpointError": ("microspeed.checkpoint", "CheckpointError"),
+    "CheckpointWarning": ("microspeed.checkpoint", "CheckpointWarning"),
+    "Placement": ("microspeed.checkpoint", "Placement"),
+    "flat_shard": ("microspeed.checkpoint", "flat_shard"),
+    "TensorRef": ("microspeed.checkpoint.manifest", "TensorRef"),
+    "split_tensor_refs": ("microspeed.checkpoint.manifest", "split"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'microspeed.plugin_api' has no attribute {name!r}")
+
 
 __all__ = [
     "Capabilities",
