@@ -68,7 +68,7 @@ With ``init_process_group=False`` the body starts ``torch.distributed`` itself, 
 ``microspeed.comm.init_distributed()``, which reads the same environment variables; whatever
 process group is still initialized when the body returns is destroyed by the harness.
 
-The plugin-author kit (end of this module) runs a plugin's hooks on a tiny engine:
+The plugin-author kit (:mod:`microspeed.testing.plugin_kit`) runs a plugin's hooks on a tiny engine:
 :func:`tiny_engine` (a small model, a default config, extra plugins), :func:`train_steps` (optimizer
 steps, returns the losses), :class:`HookRecorder` (a plugin recording every hook call in order) and
 the pytest fixtures ``ms_engine_factory``, ``ms_engine`` and ``hook_recorder`` — use them with
