@@ -105,6 +105,7 @@ def _no_deprecated_torch(path, world_before):
             and torch.equal(box_local, full.view(shape)[rank * rows:(rank + 1) * rows]))
 
 
+@pytest.mark.slow
 def test_sharded_checkpoints_use_no_deprecated_torch_api(tmp_path):
     """Sharded tensors are DTensors (no ShardedTensor): saving on 2 ranks and reading back on 4 warns nothing.
 
