@@ -257,6 +257,7 @@ def test_resume_on_other_world_sizes(saved):
         assert _close(_params(engine), ref["params"]), source
 
 
+@pytest.mark.slow
 def test_bf16_checkpoint_loads_into_fp32_from_the_masters(saved):
     """A bf16 run's checkpoint loads into an fp32 engine with the exact fp32 master weights."""
     root, _ = saved
@@ -336,6 +337,7 @@ def _deepspeed_run(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed is not installed (pip install deepspeed==0.19.8)")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage", STAGES)
