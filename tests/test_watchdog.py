@@ -273,6 +273,7 @@ def _unconfigured_hanging_rank_body():
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_hung_rank_with_no_watchdog_configured_ends_with_the_report(capfd):
     start = time.monotonic()
     with pytest.raises(DistributedTestError) as info:
@@ -310,6 +311,7 @@ def _late_rank_body():
     return got
 
 
+@pytest.mark.slow
 def test_rank_that_never_reaches_initialize_is_named_within_the_timeout():
     results = run_distributed(_late_rank_body, world_size=2, timeout=120,
                               env={watchdog.ENV_VAR: "2", trace.ENV_VAR: ""})
