@@ -143,6 +143,7 @@ def test_two_rank_trace_files_hold_hooks_collectives_and_steps(traced_run):
     assert seqs[0] == seqs[1]  # both ranks saw the same collectives in the same order
 
 
+@pytest.mark.slow
 def test_summary_cli(traced_run, capsys):
     directory, _ = traced_run
     assert cli.main(["trace", "summary", directory]) == 0
