@@ -72,6 +72,7 @@ def _suggested(output: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.slow
 def test_end_to_end_subprocess_writes_png_and_suggests(tmp_path, script):
     out = tmp_path / "plots" / "lr.png"
     proc = subprocess.run(
