@@ -465,6 +465,7 @@ def triton_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return torch.load(outputs, weights_only=False)
 
 
+@pytest.mark.slow
 def test_the_child_ran_the_interpreted_triton_kernels(triton_results: dict[str, Any]) -> None:
     assert triton_results["meta"] == {m.__name__: ("triton", True) for m in MODULES}
     assert all(triton_results["adam"][name]["backends"] == {"triton", "torch"} if case["transposed"]
