@@ -43,6 +43,7 @@ def _accounting_body():
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_partitioned_bytes_within_10_percent_of_ideal(world):
