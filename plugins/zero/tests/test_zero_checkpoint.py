@@ -95,6 +95,7 @@ def test_resume_across_stages_and_world_sizes(saved):
         assert lr == [pytest.approx(1e-2)], lr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bf16_resume_keeps_fp32_masters(saved):
     """bf16 stage 2 -> bf16 stage 3 on 2 ranks: fp32 masters come back exactly, so losses continue exactly."""
