@@ -40,7 +40,7 @@ from microspeed.plugin_api import (
     non_negative,
 )
 from microspeed_pipeline.module import PipelineModule
-from microspeed_pipeline.topology import ParallelGrid, get_default_grid, using_grid
+from microspeed_pipeline.topology import ParallelGrid, get_default_grid, set_default_grid, using_grid
 
 SCHEDULES = (None, "1f1b", "interleaved", "gpipe")
 """Values of ``pipeline.schedule``: ``null`` (the default) is ``interleaved`` for a module with ``num_chunks > 1``,
@@ -91,6 +91,9 @@ class PipelinePlugin:
             if mpu is not None and mpu is not self.grid:
                 raise ConfigError("initialize(mpu=...): a PipelineModule carries its own process grid; do not pass "
                                   "another mpu.")
+            # DeepSpeed's initialize() hands the module's grid to deepspeed.utils.groups for the script's later
+            # queries; the script's grid is that slot. The engine's own work runs under using_grid(its grid).
+            set_default_grid(self.grid)
         elif isinstance(mpu, ParallelGrid):
             self.grid = mpu
         else:

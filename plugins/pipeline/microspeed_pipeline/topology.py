@@ -284,7 +284,7 @@ class _StandaloneGrid:
 
 
 _STANDALONE = _StandaloneGrid()
-"""Only for code that runs outside any PipelineModule (Megatron-style scripts): never set by an engine."""
+"""Only for code that runs outside any PipelineModule (Megatron-style scripts, DeepSpeed's ``groups`` queries)."""
 
 _IN_EFFECT: contextvars.ContextVar[ParallelGrid | None] = contextvars.ContextVar("microspeed_pipeline_grid",
                                                                                  default=None)
@@ -294,7 +294,9 @@ def set_default_grid(grid: ParallelGrid | None) -> None:
     """Make ``grid`` the one tensor-parallel layers use when built without an explicit ``group`` (Megatron's mpu).
 
     This is the script's grid, for code that runs outside any :class:`~microspeed_pipeline.PipelineModule`
-    (:func:`initialize_model_parallel` sets it). A PipelineModule never changes it: it puts its own grid
+    (:func:`initialize_model_parallel` sets it, and so does ``initialize()`` with a PipelineModule, as
+    DeepSpeed's engine hands its mpu to ``deepspeed.utils.groups``). Building a PipelineModule never changes
+    it, and an engine's own work never reads it: a PipelineModule puts its own grid
     in effect only while it builds and runs its layers (:func:`using_grid`), so two models (and two
     engines) in one process never see each other's grid.
     """

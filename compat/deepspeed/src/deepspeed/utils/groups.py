@@ -1,8 +1,9 @@
 """``deepspeed.utils.groups``: the process groups of data, model, pipeline and expert parallelism.
 
-Data/model/pipeline groups come from the pipeline plugin's default grid when one is set
-(``PipelineModule`` or ``initialize_model_parallel`` sets it), else data parallelism is the whole
-world. Expert groups are the MoE plugin's (``ep_size_<n>`` names, as DeepSpeed's). microspeed has no
+Data/model/pipeline groups come from the pipeline plugin's grid: the one in effect (inside a
+``PipelineModule``'s build or run), else the script's (``initialize()`` with a PipelineModule or
+``initialize_model_parallel`` sets it, as DeepSpeed's engine sets ``groups.mpu``), else data parallelism
+is the whole world. Expert groups are the MoE plugin's (``ep_size_<n>`` names, as DeepSpeed's). microspeed has no
 sequence parallelism: its world size is 1 and asking for its group is refused.
 """
 
