@@ -36,6 +36,7 @@ def _train(ep_size: int, steps: int, net_kwargs: dict, extra: dict, path: str | 
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "ep_size", "net_kwargs", "extra"), [
     (2, 2, {"k": 1}, {}),
     (2, 2, {"k": 2, "drop_tokens": False}, {"gradient_clipping": 0.3}),
