@@ -424,6 +424,7 @@ def tp4() -> list[dict]:
     return run_distributed(_tp4_body, world_size=4, timeout=120)
 
 
+@pytest.mark.slow
 def test_world_without_grid_or_group_raises_clear_error(tp2):
     assert _failures(tp2, "errors") == {}
     assert len(tp2[0]["errors"]) == 8
@@ -450,6 +451,7 @@ def test_rng_tracker_fork_across_tensor_parallel_ranks(tp2):
     assert _failures(tp2, "rng") == {}
 
 
+@pytest.mark.slow
 def test_tp2_by_dp2_and_tp4_on_four_ranks(tp4):
     assert [r["tp_group_ranks"] for r in tp4] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert _failures(tp4, "tp2dp2") == {}
