@@ -47,6 +47,7 @@ def _train_pipeline(stages: int, chunks: int = 1, schedule: str | None = None, s
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "stages", "chunks"), [(2, 2, 1), (4, 4, 1), (4, 2, 1), (2, 2, 2)],
                          ids=["pp2", "pp4", "pp2xdp2", "pp2-interleaved2"])
 def test_pipeline_losses_equal_single_process(world, stages, chunks):
