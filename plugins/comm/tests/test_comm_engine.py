@@ -149,6 +149,7 @@ def precision_runs():
     return run_distributed(_many, world_size=2, args=(PRECISION_CASES,), timeout=300)
 
 
+@pytest.mark.slow
 def test_warmup_equals_the_single_process_run(precision_runs):
     # the warm-up reduces gradients at full precision: 2 ranks with half batches == 1 process, full batches
     single = _losses("OneBitAdam", {"lr": 1e-3, "freeze_step": 100}, 4, micro=8)
