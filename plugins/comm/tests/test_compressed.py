@@ -89,6 +89,7 @@ def _checks(block: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,block", [(2, 64), (4, 128)])
 def test_compressed_allreduce(world, block):
     results = run_distributed(_checks, world_size=world, args=(block,), timeout=240)
