@@ -395,6 +395,7 @@ def _gathered_body() -> None:
             _train_mlp(engine, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_gathered_parameters():
     """GatheredParameters on 2 ranks: whole stage-3 weights, modifier_rank reaches masters, zero.Init, no-op at 0-2."""
