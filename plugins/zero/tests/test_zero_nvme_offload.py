@@ -278,6 +278,7 @@ def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= RTOL * max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_in_memory_optimizer(results, variant):
     """Losses, weights, masters and Adam state with NVMe offload equal the in-memory run's."""
