@@ -233,6 +233,7 @@ def triton_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return torch.load(outputs)
 
 
+@pytest.mark.slow
 def test_the_kernels_ran_in_the_interpreter(triton_results: dict[str, Any]) -> None:
     assert triton_results["meta"]["interpreted"] is True
     assert triton_results["meta"]["available_on_cpu"] is True
