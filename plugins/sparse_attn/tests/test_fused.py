@@ -118,6 +118,7 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _interpreted_results(str(tmp_path_factory.mktemp("fused")))
 
 
+@pytest.mark.slow
 def test_child_ran_the_interpreter(interpreted: dict[str, Any]) -> None:
     assert interpreted["meta"] == {"interpreted": True, "cases": sorted(CASES)}
 
