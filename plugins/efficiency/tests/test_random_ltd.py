@@ -162,6 +162,7 @@ def triton_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _triton_results(str(tmp_path_factory.mktemp("random_ltd_triton")))
 
 
+@pytest.mark.slow
 def test_triton_kernels_equal_the_references_forward_and_backward(triton_results: dict[str, Any]) -> None:
     assert triton_results["meta"] == ("triton", True), "the child must run the kernels in the interpreter"
     cases = _cases()
