@@ -295,3 +295,17 @@ class TestDecoratedMethod:
     def test_method_runs_on_every_rank(self) -> None:
         assert isinstance(self, TestDecoratedMethod)
         assert in_distributed_worker() and os.environ["RANK"] in ("0", "1")
+
+
+def _warn_as_microspeed() -> str:
+    import warnings
+
+    warnings.warn_explicit("an old API", DeprecationWarning, "fake.py", 1, module="microspeed.fake_module")
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("error::DeprecationWarning:microspeed")
+def test_ranks_inherit_the_error_filters_for_our_own_modules():
+    with pytest.raises(DistributedTestError, match="DeprecationWarning: an old API"):
+        run_distributed(_warn_as_microspeed, world_size=1, timeout=60, init_process_group=False)

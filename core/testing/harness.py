@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
@@ -433,6 +434,20 @@ def _make_target(fn: Callable[..., Any]) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+def _our_error_filters() -> list[tuple[str, str, type, str, int]]:
+    """The caller's ``error`` warning filters aimed at microspeed's own modules (pytest's ``filterwarnings``).
+
+    Spawned ranks start with Python's default filters; these are re-applied there, so a deprecation warning
+    raised by our code inside a rank fails the test as it would in the parent.
+    """
+    picked = []
+    for action, message, category, module, lineno in warnings.filters:
+        pattern = getattr(module, "pattern", module) or ""
+        if action == "error" and pattern.startswith("microspeed"):
+            picked.append((action, getattr(message, "pattern", message) or "", category, pattern, lineno))
+    return picked
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -445,11 +460,14 @@ def _worker(
     init_process_group: bool,
     results: Any,
     stack_dir: str,
+    warning_filters: list[Any] = (),
 ) -> None:
     """Entry point of a rank: set up the environment, run the function, report through ``results``."""
     global _in_worker
     _in_worker = True
     _exit_with_parent()
+    for entry in reversed(warning_filters):
+        warnings.filterwarnings(entry[0], message=entry[1], category=entry[2], module=entry[3], lineno=entry[4])
     os.environ.update(
         {
             "RANK": str(rank),
@@ -648,6 +666,7 @@ def _run_once(
                         init_process_group,
                         results,
                         stack_dir,
+                        _our_error_filters(),
                     ),
                 )
                 try:
