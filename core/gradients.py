@@ -218,13 +218,16 @@ class GradNorm:
         ``params`` (same length as ``grads``) names whose gradient each is, for the rules; without it the
         gradients are matched to the optimizer's parameters by identity. ``partitioned_over``: the group
         across which ``grads`` are disjoint pieces (ZeRO's flat gradient shards; ``None`` is the world),
-        summed over it too.
+        summed over it too. Pieces given without ``params`` belong to no single parameter, so no rule
+        applies to them: the partitioning owner has already placed every element in exactly one rank's
+        piece (an expert's shards over its replica group are disjoint within ``partitioned_over`` too).
         """
         if self._rules is None:
             self.prepare()
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
         topology = self.engine.topology
-        if len(self._groups) == 1 and not self._skip:
+        pieces = partitioned_over is not NOT_PARTITIONED and params is None
+        if pieces or (len(self._groups) == 1 and not self._skip):
             slots = [[g for g in grads if g is not None]]
             if partitioned_over is NOT_PARTITIONED and topology.model_parallel_size == 1:
                 return _local_norm(slots[0], device)  # pure data parallelism: every rank holds it all
