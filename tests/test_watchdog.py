@@ -225,6 +225,29 @@ def test_store_exchange_answers_and_exited_ranks():
 # ------------------------------------------------------------------------------ on by default
 
 
+def test_exit_joins_the_thread_before_the_interpreter_finalises():
+    """publish_exit (run at exit) ends the thread: a daemon thread caught inside a C++ call at
+    finalisation aborts the process ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    busy = []
+    wd = watchdog.Watchdog(5.0, rank=1, world_size=2, store=dist.HashStore(), poll_s=0.01)
+    looked = wd.overdue
+
+    def slow_look():
+        busy.append(1)
+        time.sleep(0.3)  # the thread is busy, outside the store lock, when exit comes
+        return looked()
+
+    wd.overdue = slow_look
+    wd.start()
+    while not busy:
+        time.sleep(0.01)
+    wd.publish_exit()
+    assert not wd._thread.is_alive()
+    assert wd.store.check([watchdog.STORE_PREFIX + "exited/1"])
+
+
 def test_default_timeout_and_how_to_change_it(monkeypatch):
     monkeypatch.delenv(watchdog.ENV_VAR, raising=False)
     assert watchdog.resolve_timeout(world_size=2) == watchdog.DEFAULT_TIMEOUT_S == 600.0

@@ -511,8 +511,15 @@ class Watchdog:
                             state=asdict(state))
 
     def publish_exit(self) -> None:
-        """Tell the store this rank's process is ending (an ``exited`` state; called at exit)."""
+        """Tell the store this rank's process is ending (an ``exited`` state; called at exit).
+
+        The thread is joined first: a daemon thread still inside a store call when the interpreter
+        finalises is ended by ``pthread_exit`` through pybind's GIL guard, which aborts the process
+        (``terminate called without an active exception``) after training succeeded.
+        """
         self._stopped.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 2 * self.poll_s))
         if self.store is None:
             return
         state = RankState(self.rank, "exited")
