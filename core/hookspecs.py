@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     import torch
 
     from microspeed.capabilities import Capabilities, Capability
+    from microspeed.compositions import Feature, Refusal
     from microspeed.config import Config, Section
     from microspeed.engine import Engine, StepContext
     from microspeed.gradients import NormRule
@@ -140,6 +141,26 @@ def microspeed_conflicts(config: Config, capabilities: Capabilities) -> list[tup
     the config, ``initialize()`` refuses with a message naming this plugin, the key and the
     reason. ``capabilities`` holds what the other plugins provide (a key to name comes with the
     capability, e.g. :attr:`GradientPartitioning.config_key`). Collected from every plugin.
+    """
+
+
+@hookspec
+def microspeed_features() -> list[Feature] | None:
+    """Collected: the features this plugin provides (:class:`microspeed.compositions.Feature`), active or not.
+
+    Not called by ``initialize()``: :func:`microspeed.compositions.composition_matrix` gathers the installed
+    plugins' answers for ``microspeed plugins --matrix`` and ``docs/compositions.md``. Feature names are
+    global; two plugins declaring one name is a :class:`microspeed.PluginError`.
+    """
+
+
+@hookspec
+def microspeed_refusals() -> list[Refusal] | None:
+    """Collected: the pairs of features this plugin refuses (:class:`microspeed.compositions.Refusal`).
+
+    Each names at least one of this plugin's own features; both must be declared by an installed plugin
+    (else :class:`microspeed.PluginError`). A declared pair must be what ``initialize()`` refuses, with
+    :meth:`Refusal.message` as the text; lifting a refusal means deleting its declaration.
     """
 
 

@@ -12,6 +12,8 @@ What is here, by concern:
   :func:`load_raw`, :func:`parse`;
 * **cooperation**: :class:`Role`, :class:`Capability` and the kinds plugins state
   (:class:`GradientPartitioning`, :class:`LossScaling`), :class:`Capabilities`;
+* **compositions**: :class:`Feature` and :class:`Refusal` (hooks ``microspeed_features`` / ``microspeed_refusals``),
+  :class:`Matrix` and :func:`composition_matrix`;
 * **gradients**: :class:`ReplicaGroup` / :func:`replica_group` / :func:`reduced_over_data_parallel`,
   :func:`has_inf_or_nan`, :class:`NormRule`, :func:`square_sum`, :func:`clip_`;
 * **topology**: :class:`Topology`;
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from microspeed import comm
 from microspeed.capabilities import Capabilities, Capability, GradientPartitioning, LossScaling, Role
+from microspeed.compositions import Feature, Matrix, Refusal, composition_matrix
 from microspeed.config import Config, Field, Section, load_raw, non_negative, parse, positive
 from microspeed.engine import StepContext
 from microspeed.errors import ConfigError, EngineUsageError, PluginError
@@ -81,12 +84,15 @@ __all__ = [
     "Config",
     "ConfigError",
     "EngineUsageError",
+    "Feature",
     "Field",
     "GradientPartitioning",
     "LossScaling",
+    "Matrix",
     "NormRule",
     "Placement",
     "PluginError",
+    "Refusal",
     "ReplicaGroup",
     "Role",
     "Section",
@@ -96,6 +102,7 @@ __all__ = [
     "Topology",
     "clip_",
     "comm",
+    "composition_matrix",
     "env_choice",
     "flat_shard",
     "get_logger",
