@@ -22,13 +22,14 @@ This module is light (no torch); plugins import its names from :mod:`microspeed.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Any
 
 from microspeed.errors import ConfigError, PluginError
 
-__all__ = ["Feature", "Matrix", "Refusal", "composition_matrix"]
+__all__ = ["Feature", "Matrix", "Refusal", "composition_matrix", "refuse_pairs"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ class Refusal:
     def names(self, a: str, b: str) -> bool:
         """Whether this refusal is about the (unordered) pair ``a``, ``b``."""
         return frozenset(self.features) == frozenset((a, b))
+
+
+def refuse_pairs(firsts: Iterable[str], seconds: Iterable[str], reason: str, instead: str,
+                 when: str = "") -> tuple[Refusal, ...]:
+    """One :class:`Refusal` per pair ``(a, b)`` of ``firsts`` x ``seconds``, all with the same reason (so the same
+    :meth:`Refusal.message`): how a plugin maps one refusal onto every feature pair it affects."""
+    return tuple(Refusal((a, b), reason, instead, when) for a in firsts for b in seconds)
 
 
 class Matrix:

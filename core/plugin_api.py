@@ -13,7 +13,7 @@ What is here, by concern:
 * **cooperation**: :class:`Role`, :class:`Capability` and the kinds plugins state
   (:class:`GradientPartitioning`, :class:`LossScaling`), :class:`Capabilities`;
 * **compositions**: :class:`Feature` and :class:`Refusal` (hooks ``microspeed_features`` / ``microspeed_refusals``),
-  :class:`Matrix` and :func:`composition_matrix`;
+  :class:`Matrix`, :func:`composition_matrix` and :func:`refuse_pairs`;
 * **gradients**: :class:`ReplicaGroup` / :func:`replica_group` / :func:`reduced_over_data_parallel`,
   :func:`has_inf_or_nan`, :class:`NormRule`, :func:`square_sum`, :func:`clip_`;
 * **topology**: :class:`Topology`;
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from microspeed import comm
 from microspeed.capabilities import Capabilities, Capability, GradientPartitioning, LossScaling, Role
-from microspeed.compositions import Feature, Matrix, Refusal, composition_matrix
+from microspeed.compositions import Feature, Matrix, Refusal, composition_matrix, refuse_pairs
 from microspeed.config import Config, Field, Section, load_raw, non_negative, parse, positive
 from microspeed.engine import StepContext
 from microspeed.errors import ConfigError, EngineUsageError, PluginError
@@ -114,6 +114,7 @@ __all__ = [
     "parse",
     "positive",
     "reduced_over_data_parallel",
+    "refuse_pairs",
     "replica_group",
     "split_tensor_refs",
     "square_sum",
