@@ -24,6 +24,7 @@ import torch
 
 from microspeed.builtin.loss_scaler import BaseLossScaler, make_loss_scaler, overflow_across_ranks
 from microspeed.capabilities import LossScaling, Role
+from microspeed.compositions import Feature
 from microspeed.config import Field, Section
 from microspeed.errors import ConfigError
 from microspeed.gradients import has_inf_or_nan, reduced_over_data_parallel
@@ -40,6 +41,16 @@ def _cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
+
+
+PRECISION = "fp16.enabled / bf16.enabled"
+
+FEATURES = (
+    Feature("fp16", "fp16 mixed precision (fp32 masters, dynamic loss scaling)", '"fp16": {"enabled": true}',
+            choice=PRECISION),
+    Feature("bf16", "bf16 mixed precision (fp32 masters)", '"bf16": {"enabled": true}', choice=PRECISION),
+)
+"""Mixed precision's features for the composition matrix (alternatives: enabling both is refused)."""
 
 
 class MixedPrecisionPlugin:
@@ -247,3 +258,8 @@ class MixedPrecisionPlugin:
         state = states.get("mixed_precision")
         if state is not None and self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """fp16 and bf16 training, for the composition matrix (it refuses no pair)."""
+        return list(FEATURES)

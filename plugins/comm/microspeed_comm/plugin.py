@@ -34,7 +34,9 @@ import torch
 from microspeed.plugin_api import (
     Capabilities,
     ConfigError,
+    Feature,
     GradientPartitioning,
+    Refusal,
     Role,
     comm,
     get_logger,
@@ -42,6 +44,7 @@ from microspeed.plugin_api import (
     reduced_over_data_parallel,
 )
 from microspeed_comm.adam import OneBitAdam
+from microspeed_comm.compositions import FEATURES, ONEBIT_WITH_MOE, ONEBIT_WITH_ZERO, REFUSALS
 from microspeed_comm.lamb import OneBitLamb
 from microspeed_comm.onebit import OneBitOptimizer
 from microspeed_comm.zero_one_adam import ZeroOneAdam
@@ -125,9 +128,8 @@ def check_params(cls: type[OneBitOptimizer], params: dict[str, Any]) -> dict[str
 
 def _partitioning_reason(name: str, part: GradientPartitioning) -> str:
     """Why the 1-bit optimizer ``name`` cannot run with the gradient partitioning ``part``, and the fix."""
-    return (f"{name} averages whole momenta with a compressed all-reduce, while {part.config_key}={part.stage} "
-            f"partitions optimizer state across ranks (DeepSpeed refuses this too); {part.disable_hint} to use "
-            f"{name}, or use Adam with partitioning")
+    return (f"{name} with {part.config_key}={part.stage} (gradient partitioning): {ONEBIT_WITH_ZERO[0].message()} "
+            f"({part.disable_hint} to use {name})")
 
 
 class CommPlugin:
@@ -197,8 +199,7 @@ class CommPlugin:
         held_apart = [n for n, p in engine.module.named_parameters() if not reduced_over_data_parallel(p)]
         if held_apart:
             raise ConfigError(f"{type(optimizer).__name__}: parameters such as {held_apart[0]!r} are held by only some "
-                              f"data-parallel ranks (MoE experts); the 1-bit optimizers compress one momentum over "
-                              f"the whole data-parallel group. Use Adam (with ZeRO stage 1 or 2 if you like).")
+                              f"data-parallel ranks (MoE experts): {ONEBIT_WITH_MOE[0].message()}.")
         optimizer.set_process_group(engine.topology.data_parallel_group)
         self.optimizer = optimizer
         self.log = get_logger("microspeed.comm")
@@ -234,6 +235,16 @@ class CommPlugin:
     def microspeed_after_step(self, engine) -> None:
         """Decide who reduces the next step's gradients."""
         self._sync_role(engine)
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """1-bit Adam, 0/1 Adam and 1-bit LAMB, for the composition matrix."""
+        return list(FEATURES)
+
+    @hookimpl
+    def microspeed_refusals(self) -> list[Refusal]:
+        """The pairs this plugin refuses at ``initialize()`` (:mod:`microspeed_comm.compositions`)."""
+        return list(REFUSALS)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

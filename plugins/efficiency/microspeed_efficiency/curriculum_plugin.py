@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from microspeed.plugin_api import ConfigError, Field, Section, hookimpl
+from microspeed.plugin_api import ConfigError, Feature, Field, Section, hookimpl
+from microspeed_efficiency.compositions import CURRICULUM_FEATURES
 from microspeed_efficiency.curriculum import SCHEDULE_TYPES, CurriculumScheduler
 
 NAME = "curriculum_learning"
@@ -158,3 +159,8 @@ class CurriculumPlugin:
         if self.enabled and NAME in states:
             self.scheduler.load_state_dict(states[NAME])
             self.difficulty = self.scheduler.get_current_difficulty()
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """Curriculum learning, for the composition matrix (it refuses no pair)."""
+        return list(CURRICULUM_FEATURES)

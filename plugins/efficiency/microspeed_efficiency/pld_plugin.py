@@ -20,7 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from microspeed.plugin_api import ConfigError, Field, Section, hookimpl, non_negative
+from microspeed.plugin_api import ConfigError, Feature, Field, Refusal, Section, hookimpl, non_negative
+from microspeed_efficiency.compositions import PLD_FEATURES, PLD_REFUSALS, PLD_WITH_PIPELINE
 from microspeed_efficiency.pld import PLD_KWARGS, ProgressiveLayerDrop, accepts_pld_kwargs
 
 NAME = "progressive_layer_drop"
@@ -62,6 +63,10 @@ class ProgressiveLayerDropPlugin:
     def microspeed_after_model_ready(self, engine: Any, model: nn.Module) -> None:
         """Refuse a model whose forward cannot take ``progressive_layer_drop=`` and ``pld_theta=``."""
         if self.pld is not None and not accepts_pld_kwargs(model.forward):
+            stages = getattr(model, "num_stages", 1)  # a pipeline's module states its stages
+            if isinstance(stages, int) and stages > 1:
+                raise PLD_WITH_PIPELINE[0].error(f"{NAME}.enabled with a pipeline of {stages} stages "
+                                                 f"({type(model).__name__})")
             raise ConfigError(
                 f"{NAME}.enabled: the model's forward ({type(model).__name__}.forward) does not accept the keyword "
                 f"arguments {' and '.join(PLD_KWARGS)} that progressive layer drop passes to it. Give it those "
@@ -97,3 +102,13 @@ class ProgressiveLayerDropPlugin:
         """Restore θ (a checkpoint written without PLD leaves θ as it is)."""
         if self.pld is not None and NAME in states:
             self.pld.load_state_dict(states[NAME])
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """Progressive layer drop, for the composition matrix."""
+        return list(PLD_FEATURES)
+
+    @hookimpl
+    def microspeed_refusals(self) -> list[Refusal]:
+        """The pairs this plugin refuses at ``initialize()`` (:mod:`microspeed_efficiency.compositions`)."""
+        return list(PLD_REFUSALS)

@@ -40,7 +40,8 @@ from typing import Any
 
 from torch import nn
 
-from microspeed.plugin_api import ConfigError, hookimpl
+from microspeed.plugin_api import ConfigError, Feature, hookimpl
+from microspeed_efficiency.compositions import RANDOM_LTD_FEATURES
 from microspeed_efficiency.random_ltd import (
     CONFIG_PATH,
     RandomLTD,
@@ -133,3 +134,8 @@ class RandomLTDPlugin:
         """Restore the schedule's state (a checkpoint written without random-LTD leaves it as it is)."""
         if self.scheduler is not None and self.config is not None and NAME in states:
             self.scheduler.load_state_dict(states[NAME])
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """Random-LTD, for the composition matrix (it refuses no pair)."""
+        return list(RANDOM_LTD_FEATURES)

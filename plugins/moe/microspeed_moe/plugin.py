@@ -33,13 +33,22 @@ import torch
 
 from microspeed.plugin_api import (
     ConfigError,
+    Feature,
     GradientPartitioning,
     LossScaling,
     NormRule,
+    Refusal,
     ReplicaGroup,
     Role,
     comm,
     hookimpl,
+)
+from microspeed_moe.compositions import (
+    FEATURES,
+    MOE_WITH_FP32_ACCUMULATION,
+    MOE_WITH_MODEL_PARALLEL,
+    MOE_WITH_ZERO_3,
+    REFUSALS,
 )
 from microspeed_moe.groups import ExpertGroups, get_expert_groups
 from microspeed_moe.layer import MoE
@@ -75,14 +84,14 @@ class MoEPlugin:
     def _check(self, engine: Any) -> None:
         topo = engine.topology
         if topo.model_parallel_size > 1:
-            raise ConfigError("MoE layers with pipeline or tensor parallelism are not supported: expert groups are "
-                              "built over a pure data-parallel world. Use data parallelism with ep_size.")
+            raise MOE_WITH_MODEL_PARALLEL[0].error(f"MoE layers with a model-parallel size of "
+                                                   f"{topo.model_parallel_size} (pipeline or tensor parallelism)")
         if topo.data_parallel_size != topo.world_size:
-            raise ConfigError("MoE layers need the data-parallel group to be the whole world.")
+            raise MOE_WITH_MODEL_PARALLEL[0].error(f"MoE layers with a data-parallel group of "
+                                                   f"{topo.data_parallel_size} of {topo.world_size} ranks")
         precision = engine.capabilities.get(LossScaling)
         if precision is not None and precision.accumulate_fp32 and precision.dtype is torch.bfloat16:
-            raise ConfigError("data_types.grad_accum_dtype=fp32 with MoE layers is not supported: expert "
-                              "gradients are summed from the parameters' own gradients. Remove the key.")
+            raise MOE_WITH_FP32_ACCUMULATION[0].error("data_types.grad_accum_dtype=fp32 with MoE layers")
         owner = engine.owner(Role.GRADIENT_REDUCTION)
         if owner is None:
             return
@@ -90,8 +99,7 @@ class MoEPlugin:
         if part is not None and engine.capabilities.provider(GradientPartitioning) == owner:
             if part.keeps_replica_groups:
                 return
-            hint = (f"{part.config_key}={part.stage} partitions every parameter over the whole data-parallel group "
-                    f"(DeepSpeed refuses ZeRO-3 with MoE too); use stage 1 or 2, or {part.disable_hint}")
+            hint = f"{part.config_key}={part.stage} ({MOE_WITH_ZERO_3[0].message()})"
         else:
             hint = "turn that feature off"
         raise ConfigError(f"MoE layers: the plugin {owner!r} reduces gradients but cannot keep expert parameters "
@@ -124,3 +132,13 @@ class MoEPlugin:
             return None
         names = {id(p): n for n, p in engine.module.named_parameters()}
         return {names[id(p)]: NormRule(groups=(g.ep_group,)) for p, g in self.expert_params if id(p) in names}
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """Mixture of experts, for the composition matrix."""
+        return list(FEATURES)
+
+    @hookimpl
+    def microspeed_refusals(self) -> list[Refusal]:
+        """The pairs this plugin refuses at ``initialize()`` (:mod:`microspeed_moe.compositions`)."""
+        return list(REFUSALS)

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from microspeed.plugin_api import hookimpl
+from microspeed.plugin_api import Feature, hookimpl
 from microspeed_pipeline import checkpointing
 from microspeed_pipeline.checkpointing import (
     ACTIVATION_CHECKPOINTING_SECTION,
@@ -27,6 +27,7 @@ from microspeed_pipeline.checkpointing import (
     CheckpointingSettings,
     CheckpointingState,
 )
+from microspeed_pipeline.compositions import CHECKPOINTING_FEATURES
 from microspeed_pipeline.module import PipelineModule
 from microspeed_pipeline.topology import get_default_grid
 
@@ -94,6 +95,11 @@ class ActivationCheckpointingPlugin:
         for module in targets:
             module.register_forward_pre_hook(self._enter)
             module.register_forward_hook(self._leave, always_call=True)
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """Activation checkpointing, for the composition matrix (it refuses no pair)."""
+        return list(CHECKPOINTING_FEATURES)
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._tokens.append(checkpointing._IN_EFFECT.set(self.state))

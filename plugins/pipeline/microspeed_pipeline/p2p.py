@@ -7,6 +7,12 @@ it, and the next batch negotiates again (so shapes may change from batch to batc
 batch every micro-batch must have the same shapes (a clear error otherwise), unless the module
 was built with ``dynamic_shape=True`` (DeepSpeed's argument): then every transfer sends its header.
 
+With tensor parallelism, ``pipeline.pipe_partitioned`` / ``grad_partitioned`` (DeepSpeed's keys, on by
+default as there) split each floating-point activation / gradient over the tensor-parallel group: every
+tensor rank of a stage holds the same tensor, so each sends only its ``1/tp`` slice to the same tensor
+rank of the peer stage, and the receiving stage's tensor ranks all-gather the slices back into the
+whole tensor. The numbers are the same; each rank moves ``1/tp`` of the bytes between stages.
+
 Sends are non-blocking (``isend``; their handles are kept, with the tensors, until
 :meth:`P2P.wait_all` at the end of the batch); receives block. Every message carries a distinct
 tag (kind, chunk, micro-batch, tensor index), so on gloo out-of-order arrival cannot mix them up.
@@ -78,7 +84,40 @@ class P2P:
         self.pending: list[tuple[Any, torch.Tensor]] = []
         self.sent_meta: dict[tuple[int, str], list] = {}
         self.recv_meta: dict[tuple[int, str], list] = {}
-        self.bytes_sent = 0
+        self.bytes_sent = 0  # everything this rank sent, headers included
+        self.header_bytes = 0
+        self.split_group: Any = None  # the tensor-parallel group the partitioned kinds are split over
+        self.split_kinds: frozenset[str] = frozenset()
+
+    def partition(self, group: Any, kinds: set[str] | frozenset[str]) -> None:
+        """Split the floating-point tensors of ``kinds`` ("act", "grad") over ``group`` (the tensor-parallel
+        group, whose ranks all send and receive the same tensors); a group of one rank splits nothing."""
+        self.split_group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.split_kinds = frozenset(kinds) if self.split_group is not None else frozenset()
+
+    def _split(self, kind: str, t: torch.Tensor) -> bool:
+        return kind in self.split_kinds and t.is_floating_point() and t.numel() >= dist.get_world_size(
+            self.split_group)
+
+    def _slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This tensor rank's slice of ``t`` flattened and zero-padded to a multiple of the group size."""
+        n, r = dist.get_world_size(self.split_group), dist.get_rank(self.split_group)
+        per = -(-t.numel() // n)
+        flat = t.reshape(-1)
+        piece = flat[r * per:(r + 1) * per]
+        if piece.numel() < per:
+            piece = torch.cat([piece, piece.new_zeros(per - piece.numel())])
+        return piece
+
+    def _gather(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The whole tensor of ``shape`` from every tensor rank's slice."""
+        n = dist.get_world_size(self.split_group)
+        whole = piece.new_empty(piece.numel() * n)
+        dist.all_gather_into_tensor(whole, piece, group=self.split_group)
+        numel = 1
+        for d in shape:
+            numel *= d
+        return whole[:numel].view(shape).clone()
 
     def new_batch(self) -> None:
         """Forget negotiated shapes: the next transfer on each channel sends its header again."""
@@ -96,7 +135,9 @@ class P2P:
         meta = _meta_of(tensors)
         key = (dst, kind)
         if key not in self.sent_meta or self.dynamic_shape:
-            self._isend(encode_meta(tensors), dst, _tag(kind, chunk, micro_batch, 255))
+            header = encode_meta(tensors)
+            self._isend(header, dst, _tag(kind, chunk, micro_batch, 255))
+            self.header_bytes += header.numel() * header.element_size()
             self.sent_meta[key] = meta
         elif self.sent_meta[key] != meta:
             raise ValueError(f"pipeline: micro-batch {micro_batch} sends {kind} of shapes "
@@ -105,7 +146,8 @@ class P2P:
                              f"same shapes (they may change between batches; PipelineModule(dynamic_shape=True) "
                              f"lets them change per micro-batch).")
         for i, t in enumerate(tensors):
-            self._isend(t.detach(), dst, _tag(kind, chunk, micro_batch, i))
+            t = self._slice(t.detach()) if self._split(kind, t) else t.detach()
+            self._isend(t, dst, _tag(kind, chunk, micro_batch, i))
 
     def recv(self, src: int, kind: str, chunk: int, micro_batch: int) -> tuple[torch.Tensor, ...]:
         """Receive what :meth:`send` sent from global rank ``src`` (blocking); activations keep ``requires_grad``."""
@@ -117,7 +159,13 @@ class P2P:
         out = []
         for i, (dtype, grad, shape) in enumerate(self.recv_meta[key]):
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(buf, src=src, tag=_tag(kind, chunk, micro_batch, i))
+            if self._split(kind, buf):
+                piece = torch.empty(-(-buf.numel() // dist.get_world_size(self.split_group)), dtype=dtype,
+                                    device=self.device)
+                dist.recv(piece, src=src, tag=_tag(kind, chunk, micro_batch, i))
+                buf = self._gather(piece, shape)
+            else:
+                dist.recv(buf, src=src, tag=_tag(kind, chunk, micro_batch, i))
             if grad and kind == "act" and buf.is_floating_point():
                 buf.requires_grad_(True)
             out.append(buf)

@@ -31,13 +31,22 @@ import torch
 from microspeed.plugin_api import (
     Capabilities,
     ConfigError,
+    Feature,
     Field,
     GradientPartitioning,
     NormRule,
+    Refusal,
     Section,
     Topology,
     hookimpl,
     non_negative,
+)
+from microspeed_pipeline.compositions import (
+    FEATURES,
+    REFUSALS,
+    ZERO_2_3_WITH_PIPELINE,
+    ZERO_WITH_CLIPPED_TIED_WEIGHTS,
+    ZERO_WITH_TENSOR_PARALLEL,
 )
 from microspeed_pipeline.module import PipelineModule
 from microspeed_pipeline.topology import ParallelGrid, get_default_grid, set_default_grid, using_grid
@@ -53,10 +62,6 @@ PIPELINE_NOTICES = {
     "stages": "the PipelineModule's num_stages/topology decide the stages (DeepSpeed reads them there too)",
     "partition": "PipelineModule(partition_method=...) decides the split (DeepSpeed reads it there too)",
     "seed_layers": "PipelineModule(seed_layers=...) decides it (DeepSpeed reads it there too)",
-    "pipe_partitioned": "activations go to the next stage whole; DeepSpeed splits them over tensor-parallel ranks "
-                        "only to save bandwidth, with the same result",
-    "grad_partitioned": "gradients go to the previous stage whole; DeepSpeed splits them over tensor-parallel ranks "
-                        "only to save bandwidth, with the same result",
 }
 
 
@@ -81,6 +86,10 @@ class PipelinePlugin:
                                                     check=non_negative),
             "use_reentrant": Field((bool, type(None)), None, "as DeepSpeed's: false makes the PipelineModule "
                                    "checkpoint with non_reentrant_checkpoint"),
+            "pipe_partitioned": Field((bool,), True, "as DeepSpeed's: with tensor parallelism each tensor rank sends "
+                                      "1/tp of an activation to the next stage, whose tensor ranks all-gather it"),
+            "grad_partitioned": Field((bool,), True, "as DeepSpeed's: with tensor parallelism each tensor rank sends "
+                                      "1/tp of a gradient to the previous stage, whose tensor ranks all-gather it"),
         }, doc="microspeed-pipeline: the schedule of a PipelineModule", notices=PIPELINE_NOTICES)}
 
     @hookimpl
@@ -144,20 +153,18 @@ class PipelinePlugin:
         key, setting = part.config_key, f"{part.config_key}={part.stage}"
         out = []
         if self.module.num_stages > 1 and part.stage >= 2:
-            out.append((key, f"{setting}: a pipeline of {self.module.num_stages} stages combines with stage 0 or 1 "
-                             f"only (stages 2 and 3 reduce gradients during backward, which the pipeline schedule "
-                             f"interleaves across micro-batches); set {key} to 1."))
+            out.append((key, f"{setting} with a pipeline of {self.module.num_stages} stages: "
+                             f"{ZERO_2_3_WITH_PIPELINE[0].message()}"))
         tp = self.grid.get_model_parallel_world_size()
         if tp > 1:
-            out.append((key, f"{setting}: gradient partitioning with tensor parallelism (model axis {tp}) is not "
-                             f"supported; use it with a pipeline and data parallelism only, or "
-                             f"{part.disable_hint}."))
+            out.append((key, f"{setting} with tensor parallelism (model axis {tp}): "
+                             f"{ZERO_WITH_TENSOR_PARALLEL[0].message()}"))
         tied = [k for k in self.module._tie_keys() if len(self.module.tied_owner_stages(k)) > 1]
         clipping = config["gradient_clipping"]
         if tied and clipping > 0:
-            out.append(("gradient_clipping", f"gradient_clipping={clipping}: with gradient partitioning ({setting}) "
-                                             f"the gradient norm would count the tied weights {tied} once per stage "
-                                             f"that holds them; set gradient_clipping to 0 or {part.disable_hint}."))
+            out.append(("gradient_clipping", f"gradient_clipping={clipping} with gradient partitioning ({setting}) "
+                                             f"and the tied weights {tied}: "
+                                             f"{ZERO_WITH_CLIPPED_TIED_WEIGHTS[0].message()}"))
         return out
 
     @hookimpl
@@ -167,8 +174,21 @@ class PipelinePlugin:
             return
         from microspeed_pipeline.runtime import PipelineRuntime
 
-        self.runtime = PipelineRuntime(engine, self.module, self.config["pipeline"]["schedule"])
+        section = self.config["pipeline"]
+        self.runtime = PipelineRuntime(engine, self.module, section["schedule"])
+        kinds = {kind for kind, key in (("act", "pipe_partitioned"), ("grad", "grad_partitioned")) if section[key]}
+        self.runtime.p2p.partition(self.grid.get_model_parallel_group(), kinds)
         engine.set_plugin_state("pipeline", self.runtime)
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """Pipeline parallelism (1F1B, interleaved) and tensor parallelism, for the composition matrix."""
+        return list(FEATURES)
+
+    @hookimpl
+    def microspeed_refusals(self) -> list[Refusal]:
+        """The pairs :meth:`microspeed_conflicts` refuses (:mod:`microspeed_pipeline.compositions`)."""
+        return list(REFUSALS)
 
     @hookimpl(wrapper=True)
     def microspeed_make_dataloader(self, engine: Any, dataset: Any, collate_fn: Any) -> Any:

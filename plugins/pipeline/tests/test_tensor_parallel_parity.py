@@ -99,3 +99,32 @@ def test_checkpoint_saved_with_tensor_parallel_2_loads_into_tp1_and_pp2xtp2(tmp_
                                   timeout=120)
         for losses in resumed:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[2:]), rtol=1e-5, atol=0)
+
+
+def _partitioned_and_whole(steps: int) -> dict:
+    """pp2 x tp2: the same training with activations/gradients split over the tensor ranks and sent whole."""
+    from microspeed_pipeline import PipeModelDataParallelTopology
+
+    import microspeed
+
+    out = {}
+    for split in (True, False):
+        topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+        section = {"pipe_partitioned": split, "grad_partitioned": split}
+        engine, *_ = microspeed.initialize(model=pipeline(block_specs(tp=True), topology=topo),
+                                           config=_config({"pipeline": section}))
+        p2p = engine.plugin_state("pipeline").p2p
+        losses = [engine.train_batch(iter(micro_batches(step, GAS, MICRO))).item() for step in range(steps)]
+        out[split] = {"losses": losses, "bytes": p2p.bytes_sent - p2p.header_bytes, "kinds": sorted(p2p.split_kinds)}
+    return out
+
+
+def test_pipe_and_grad_partitioned_send_a_tensor_slice_with_the_same_losses():
+    """DeepSpeed's pipe_partitioned / grad_partitioned: each tensor rank sends 1/tp of what crosses stages."""
+    results = run_distributed(_partitioned_and_whole, world_size=4, args=(2,), timeout=120)
+    expected = reference_losses(1, specs=block_specs(tp=False))[:2]
+    for rank, r in enumerate(results):
+        assert r[True]["kinds"] == ["act", "grad"] and r[False]["kinds"] == []
+        assert r[True]["losses"] == r[False]["losses"], rank  # the same numbers, bit for bit
+        torch.testing.assert_close(torch.tensor(r[True]["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert r[True]["bytes"] * 2 == r[False]["bytes"], (rank, r[True]["bytes"], r[False]["bytes"])  # 1/tp

@@ -25,11 +25,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from microspeed.plugin_api import ConfigError, Section, hookimpl
+from microspeed.plugin_api import ConfigError, Feature, Section, hookimpl
 from microspeed_sparse_attn.config import parse_sparse_attention_section, sparsity_config_from_section
 from microspeed_sparse_attn.sparse_self_attention import SparseSelfAttention
 
 SECTION = "sparse_attention"
+
+FEATURES = (
+    Feature("sparse-attention", "block-sparse attention",
+            '"sparse_attention" section (mode fixed, variable, bigbird, bslongformer or dense) with replaceable '
+            'attention modules in the model'),
+)
+"""The ``sparse_attn`` plugin's feature for the composition matrix."""
 
 
 class SparseAttentionFn(nn.Module):
@@ -104,6 +111,11 @@ class SparseAttentionPlugin:
                 sparsity, max_seq_length=max_len, causal=bool(getattr(module, "is_causal", False))))
             self.replaced.append(name)
         engine.set_plugin_state("sparse_attn", self)
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """Sparse attention, for the composition matrix (it refuses no pair)."""
+        return list(FEATURES)
 
 
 def _shared_seed() -> int:

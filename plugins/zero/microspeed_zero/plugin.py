@@ -20,6 +20,7 @@ import torch
 from microspeed.plugin_api import (
     ConfigError,
     EngineUsageError,
+    Feature,
     Field,
     GradientPartitioning,
     Role,
@@ -27,6 +28,7 @@ from microspeed.plugin_api import (
     comm,
     hookimpl,
 )
+from microspeed_zero.compositions import FEATURES
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
 from microspeed_zero.runtime import ZeroRuntime
@@ -204,6 +206,11 @@ class ZeroPlugin:
         from microspeed_zero.engine_api import engine_api
 
         return engine_api(engine, self.rt, self.config)
+
+    @hookimpl
+    def microspeed_features(self) -> list[Feature]:
+        """ZeRO stages 1-3 and CPU / NVMe offload, for the composition matrix."""
+        return list(FEATURES)
 
 
 def partitioning(stage: int) -> GradientPartitioning:
