@@ -34,13 +34,15 @@ class Experts(nn.Module):
             p.allreduce = False
             p.group_name = self.group_name
 
-    def place(self) -> None:
-        """Re-key the local experts by this rank's position, once the process group exists.
+    def place(self, ep_rank: int | None = None) -> None:
+        """Re-key the local experts by this rank's position ``ep_rank`` in its expert-parallel group.
 
-        A layer built before ``init_distributed`` placed itself by the launcher's ``RANK``; if the
-        process group says otherwise, the same modules (and parameters) take the right global indices.
+        A layer is built before its groups exist and places itself by the global rank (or the
+        launcher's ``RANK``); once the groups say otherwise (the position in a pipeline stage's or a
+        tensor rank's data axis), the same modules (and parameters) take the right global indices.
+        ``None``: the position in the world (pure data parallelism).
         """
-        first = expert_rank(self.ep_size) * self.num_local
+        first = (expert_rank(self.ep_size) if ep_rank is None else ep_rank) * self.num_local
         if first != self.first:
             modules = list(self.deepspeed_experts.values())
             self.deepspeed_experts = nn.ModuleDict({str(first + i): m for i, m in enumerate(modules)})

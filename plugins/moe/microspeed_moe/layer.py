@@ -53,8 +53,9 @@ class MOELayer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, used_token: torch.Tensor | None = None) -> torch.Tensor:
         """Route, run the experts and combine; ``l_aux`` and ``exp_counts`` are kept on the layer."""
         if self.ep_size > 1 and self.ep_group is None:  # built before initialize: groups at first use
-            self._set_ep_group(get_expert_groups(self.ep_size).ep_group)
-            self.experts.place()
+            groups = get_expert_groups(self.ep_size)
+            self._set_ep_group(groups.ep_group)
+            self.experts.place(groups.ep_rank)
         d = hidden_states.shape[-1]
         x = hidden_states.reshape(-1, d)
         routing = self.gate.route(x, used_token)
@@ -123,8 +124,9 @@ class MoE(nn.Module):
         if use_data_before_expert_parallel_:
             raise ValueError("use_data_before_expert_parallel_=True is not supported: expert-parallel groups are "
                              "consecutive ranks.")
-        self.deepspeed_moe._set_ep_group(get_expert_groups(self.ep_size).ep_group)
-        self.deepspeed_moe.experts.place()
+        groups = get_expert_groups(self.ep_size)
+        self.deepspeed_moe._set_ep_group(groups.ep_group)
+        self.deepspeed_moe.experts.place(groups.ep_rank)
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,8 +4,11 @@ Active when the model contains :class:`~microspeed_moe.layer.MoE` layers. Expert
 ``allreduce = False``, so the built-in data-parallel reducer neither broadcasts nor averages them; this
 plugin does, over each layer's *expert-data-parallel* group (the ranks holding the same experts):
 
-* ``after_model_ready``: create each layer's groups (collectively, in module order) and start the
-  copies of each expert equal (broadcast from the first rank of its expert-data-parallel group);
+* ``setup``: create each layer's groups inside the topology's data-parallel group (the world, or a
+  pipeline stage's / tensor rank's data axis; collectively over the world), mark the experts with
+  their replica group and start the copies of each expert equal (broadcast from the first rank of its
+  expert-data-parallel group) — before any plugin partitions parameters;
+* ``after_model_ready``: refuse a gradient-reduction owner that cannot keep expert parameters apart;
 * ``reduce_gradients`` (a wrapper around whoever reduces the rest): sum each expert gradient over the
   expert-data-parallel group and divide by the data-parallel size. An expert's gradient already holds
   the contributions of every rank of its expert-parallel group (the all-to-all's backward brings them),
@@ -18,7 +21,11 @@ Each expert parameter is marked with its :class:`~microspeed.plugin_api.ReplicaG
 expert-data-parallel group). When another plugin owns gradient reduction, the reducing hook above
 stands down: the owner must state a :class:`~microspeed.plugin_api.GradientPartitioning` capability that
 ``keeps_replica_groups`` (it partitions, reduces and steps expert parameters over that group, as ZeRO
-stages 1 and 2 do); any other owner is refused at ``initialize()``, naming the key that turned it on.
+stages 1, 2 and 3 do); any other owner is refused at ``initialize()``, naming the key that turned it on.
+
+With a grid the norm needs nothing more either: a tensor rank > 0's experts are tensor-parallel
+duplicates (same tokens, same experts), which the pipeline plugin's rules skip, and the kernel sums
+the stages over the slice group.
 
 Checkpoints need nothing more: experts are named by global index (see
 :mod:`microspeed_moe.experts`), so the core's union of the ranks' names is the whole model, and a
@@ -43,14 +50,8 @@ from microspeed.plugin_api import (
     comm,
     hookimpl,
 )
-from microspeed_moe.compositions import (
-    FEATURES,
-    MOE_WITH_FP32_ACCUMULATION,
-    MOE_WITH_MODEL_PARALLEL,
-    MOE_WITH_ZERO_3,
-    REFUSALS,
-)
-from microspeed_moe.groups import ExpertGroups, get_expert_groups
+from microspeed_moe.compositions import FEATURES, MOE_WITH_FP32_ACCUMULATION, REFUSALS
+from microspeed_moe.groups import ExpertGroups, make_expert_groups
 from microspeed_moe.layer import MoE
 
 
@@ -62,16 +63,25 @@ class MoEPlugin:
         self.expert_params: list[tuple[torch.nn.Parameter, ExpertGroups]] = []
 
     @hookimpl
-    def microspeed_after_model_ready(self, engine: Any, model: torch.nn.Module) -> None:
-        """Find the MoE layers; make their groups; start every expert's copies equal."""
-        self.layers = [m for m in model.modules() if isinstance(m, MoE)]
-        if not self.layers:
+    def microspeed_setup(self, engine: Any) -> None:
+        """Find the MoE layers; make their groups inside the data-parallel group; mark and sync the experts.
+
+        At set-up, before any plugin partitions parameters (ZeRO stage 3 in ``after_model_ready``), so
+        the experts carry their :class:`ReplicaGroup` when a partitioner looks. Under a grid (pipeline
+        stages, tensor ranks) ranks may hold different layers: the groups are made collectively from
+        every rank's needs (:func:`~microspeed_moe.groups.make_expert_groups`).
+        """
+        topo = engine.topology
+        self.layers = [m for m in engine.module.modules() if isinstance(m, MoE)]
+        spread = topo.model_parallel_size > 1
+        if not self.layers and not spread:
             return
-        self._check(engine)
+        dp_group = topo.data_parallel_group if topo.data_parallel_size != topo.world_size else None
+        made = make_expert_groups({layer.ep_size for layer in self.layers}, dp_group, everywhere=spread)
         for layer in self.layers:
-            groups = get_expert_groups(layer.ep_size)  # a layer built before init_distributed gets them here
+            groups = made[layer.ep_size]
             layer.deepspeed_moe._set_ep_group(groups.ep_group)
-            layer.deepspeed_moe.experts.place()
+            layer.deepspeed_moe.experts.place(groups.ep_rank)
             for p in layer.deepspeed_moe.experts.parameters():
                 p.replica_group = ReplicaGroup(groups.edp_group, groups.edp_ranks)
                 self.expert_params.append((p, groups))
@@ -79,16 +89,16 @@ class MoEPlugin:
             for p, g in self.expert_params:
                 if g.edp_size > 1:
                     comm.broadcast(p.data, src=g.edp_ranks[0], group=g.edp_group)
-        engine.set_plugin_state("moe", self)
+        if self.layers:
+            engine.set_plugin_state("moe", self)
+
+    @hookimpl
+    def microspeed_after_model_ready(self, engine: Any, model: torch.nn.Module) -> None:
+        """Refuse what cannot keep the experts apart (the owners of gradient reduction are known now)."""
+        if self.layers:
+            self._check(engine)
 
     def _check(self, engine: Any) -> None:
-        topo = engine.topology
-        if topo.model_parallel_size > 1:
-            raise MOE_WITH_MODEL_PARALLEL[0].error(f"MoE layers with a model-parallel size of "
-                                                   f"{topo.model_parallel_size} (pipeline or tensor parallelism)")
-        if topo.data_parallel_size != topo.world_size:
-            raise MOE_WITH_MODEL_PARALLEL[0].error(f"MoE layers with a data-parallel group of "
-                                                   f"{topo.data_parallel_size} of {topo.world_size} ranks")
         precision = engine.capabilities.get(LossScaling)
         if precision is not None and precision.accumulate_fp32 and precision.dtype is torch.bfloat16:
             raise MOE_WITH_FP32_ACCUMULATION[0].error("data_types.grad_accum_dtype=fp32 with MoE layers")
@@ -99,7 +109,8 @@ class MoEPlugin:
         if part is not None and engine.capabilities.provider(GradientPartitioning) == owner:
             if part.keeps_replica_groups:
                 return
-            hint = f"{part.config_key}={part.stage} ({MOE_WITH_ZERO_3[0].message()})"
+            hint = (f"{part.config_key}={part.stage} partitions every parameter over the whole data-parallel group; "
+                    f"{part.disable_hint}")
         else:
             hint = "turn that feature off"
         raise ConfigError(f"MoE layers: the plugin {owner!r} reduces gradients but cannot keep expert parameters "

@@ -214,8 +214,9 @@ class ZeroPlugin:
 
 
 def partitioning(stage: int) -> GradientPartitioning:
-    """What ZeRO at ``stage`` (>= 1) states about itself: stages 1 and 2 keep replica groups, stage 3 cannot."""
-    return GradientPartitioning(stage=stage, keeps_replica_groups=stage < 3, config_key="zero_optimization.stage",
+    """What ZeRO at ``stage`` (>= 1) states about itself: every stage keeps replica groups (a parameter carrying a
+    ``ReplicaGroup`` is partitioned, reduced and, at stage 3, gathered over that group)."""
+    return GradientPartitioning(stage=stage, keeps_replica_groups=True, config_key="zero_optimization.stage",
                                 disable_hint="set zero_optimization.stage to 0")
 
 

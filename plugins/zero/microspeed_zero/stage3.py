@@ -30,6 +30,12 @@ same storage, which the backward gather fills again, so any module works unchang
   with it (prefetched) from the next forward on. Used outside any module (a regulariser in the
   loss), it stays gathered until its gradient is reduced.
 
+* **Parameters of some ranks only** (a Mixture-of-Experts layer's experts, marked with a
+  :class:`~microspeed.plugin_api.ReplicaGroup`): their segments are split over that group instead of
+  the data-parallel group — broadcast from its first rank, gathered over it, and their gradients
+  reduced over it and averaged by the data-parallel size (the reducer's scaling), as stages 1 and 2
+  do. A module's own parameters form one segment per replica group.
+
 Each parameter carries DeepSpeed's ``ds_id``, ``ds_shape``, ``ds_numel`` and ``ds_status``
 (:class:`~microspeed_zero.leaf.ZeroParamStatus`).
 """
@@ -41,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed.plugin_api import comm
+from microspeed.plugin_api import comm, replica_group
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf
@@ -135,37 +141,11 @@ class ParameterPartitioner:
         threshold = self.cfg.param_persistence_threshold
         for module in model.modules():
             own = [p for p in module._parameters.values() if p is not None and id(p) not in assigned]
-            materialize(own, self.group)
-            small = {id(p): p.numel() <= threshold for p in own}
-            for persistent in (False, True):
-                params = [p for p in own if small[id(p)] == persistent]
-                if not params:
-                    continue
-                seg = Segment(len(self.segments), params, [names.get(id(p), "?") for p in params],
-                              [None] * len(params), self.world, self.rank, group=self.group)
-                seg.persistent = persistent
-                self.segments.append(seg)
-                flat = torch.zeros(seg.padded, dtype=seg.dtype, device=self.device)
-                with torch.no_grad():
-                    for p, view in zip(params, seg.views(flat), strict=True):
-                        view.copy_(p.detach())
-                comm.broadcast(flat, src=src, group=self.group)
-                start, end = seg.slice_of(self.rank)
-                for p in params:
-                    assigned[id(p)] = seg.index
-                    p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
-                    assign_ds_id(p)
-                if persistent:
-                    self.shards[seg.index] = flat[start:end]
-                    self.flats[seg.index] = flat
-                    self._point(seg, flat)
-                    self._set_status(seg, AVAILABLE)
-                else:
-                    shard = flat[start:end]
-                    self.shards[seg.index] = (shard.to("cpu", copy=True).pin_memory() if self.pin else
-                                              shard.to("cpu", copy=True)) if self.offload else shard.clone()
-                    self.flats[seg.index] = flat
-                    self._drop(seg)
+            by_group: dict[Any, list[torch.nn.Parameter]] = {}
+            for p in own:  # the data-parallel group first, then each replica group (experts)
+                by_group.setdefault(replica_group(p), []).append(p)
+            for rg, members in sorted(by_group.items(), key=lambda kv: kv[0] is not None):
+                self._partition_params(members, rg, names, assigned, threshold, src, materialize)
         if self.store is not None:
             self._spill_to_files()
         for module in model.modules():
@@ -176,6 +156,43 @@ class ParameterPartitioner:
         with torch.no_grad():
             for b in model.buffers():
                 comm.broadcast(b.data, src=src, group=self.group)
+
+    def _partition_params(self, own: list[torch.nn.Parameter], rg: Any, names: dict[int, str],
+                          assigned: dict[int, int], threshold: int, dp_src: int, materialize: Any) -> None:
+        """One module's parameters of one replica group (``None``: the data-parallel group) into segments."""
+        world, rank, group = (self.world, self.rank, self.group) if rg is None else (rg.size, rg.rank, rg.group)
+        src = dp_src if rg is None else rg.ranks[0]
+        materialize(own, group)
+        small = {id(p): p.numel() <= threshold for p in own}
+        for persistent in (False, True):
+            params = [p for p in own if small[id(p)] == persistent]
+            if not params:
+                continue
+            seg = Segment(len(self.segments), params, [names.get(id(p), "?") for p in params],
+                          [None] * len(params), world, rank, group=group)
+            seg.persistent = persistent
+            self.segments.append(seg)
+            flat = torch.zeros(seg.padded, dtype=seg.dtype, device=self.device)
+            with torch.no_grad():
+                for p, view in zip(params, seg.views(flat), strict=True):
+                    view.copy_(p.detach())
+            comm.broadcast(flat, src=src, group=group)
+            start, end = seg.slice_of(rank)
+            for p in params:
+                assigned[id(p)] = seg.index
+                p.ds_shape, p.ds_numel = tuple(p.shape), p.numel()
+                assign_ds_id(p)
+            if persistent:
+                self.shards[seg.index] = flat[start:end]
+                self.flats[seg.index] = flat
+                self._point(seg, flat)
+                self._set_status(seg, AVAILABLE)
+            else:
+                shard = flat[start:end]
+                self.shards[seg.index] = (shard.to("cpu", copy=True).pin_memory() if self.pin else
+                                          shard.to("cpu", copy=True)) if self.offload else shard.clone()
+                self.flats[seg.index] = flat
+                self._drop(seg)
 
     def _spill_to_files(self) -> None:
         """offload_param nvme: keep the first ``max_in_cpu`` elements of shards in memory, write the rest to files."""
@@ -230,7 +247,7 @@ class ParameterPartitioner:
                 shard = self.store.read(f"shard{seg.index}", torch.empty(seg.shard_size, dtype=seg.dtype))
         if shard.device != flat.device:  # offload_param: host shard to the compute device first
             shard = shard.to(flat.device, non_blocking=True)
-        work = _gather_into(flat, shard, self.group, async_op)
+        work = _gather_into(flat, shard, seg.group, async_op)
         self.works[seg.index] = work
         self._set_status(seg, INFLIGHT)
 
@@ -413,7 +430,7 @@ class ParameterPartitioner:
             self.store.write(f"shard{seg.index}", shard)
             return
         if seg.persistent:
-            self.works[seg.index] = _gather_into(self.flats[seg.index], self.shards[seg.index], self.group, True)
+            self.works[seg.index] = _gather_into(self.flats[seg.index], self.shards[seg.index], seg.group, True)
 
     def wait_all(self) -> None:
         """Wait for every pending gather (before reading parameters outside forward)."""
@@ -444,7 +461,7 @@ def _refresh_persistent(self: ParameterPartitioner) -> None:
     for seg in self.segments:
         if seg.persistent:
             self.works.pop(seg.index, None)
-            _gather_into(self.flats[seg.index], self.shards[seg.index], self.group, False)
+            _gather_into(self.flats[seg.index], self.shards[seg.index], seg.group, False)
 
 
 ParameterPartitioner.refresh_persistent = _refresh_persistent
