@@ -145,12 +145,31 @@ class Matrix:
             return "NO"
         return "if" if self.conditions(a, b) else "ok"
 
-    def _refusal_rows(self) -> list[tuple[str, str, Refusal]]:
-        rows = []
-        for fa, fb, refusal in self.pairs():
-            for r in ([refusal] if refusal else []) + self.conditions(fa.name, fb.name):
-                rows.append((fa.name, fb.name, r))
-        return rows
+    def groups(self, features: Iterable[str] | None = None) -> list[tuple[str, Refusal]]:
+        """The shown refusals grouped by message: ``[(pairs, refusal)]``, ``pairs`` as text (``"a, b × c"``).
+
+        A pair refused outright shows that refusal only; a supported pair shows its conditional ones.
+        ``features``: only refusals involving one of these.
+        """
+        wanted = set(features) if features is not None else None
+        grouped: dict[tuple[str, str, str], list[Refusal]] = {}
+        for r in self.refusals:
+            a, b = r.features
+            if wanted is not None and not wanted & {a, b}:
+                continue
+            if r.when and self.status(a, b) is not None:
+                continue  # refused outright anyway
+            grouped.setdefault((r.plugin, r.message(), r.when), []).append(r)
+        out = []
+        for rs in grouped.values():
+            firsts = list(dict.fromkeys(r.features[0] for r in rs))
+            seconds = list(dict.fromkeys(r.features[1] for r in rs))
+            if len(rs) == len(firsts) * len(seconds):
+                pairs = f"{', '.join(firsts)} × {', '.join(seconds)}"
+            else:
+                pairs = "; ".join(f"{r.features[0]} × {r.features[1]}" for r in rs)
+            out.append((pairs, rs[0]))
+        return out
 
     def text(self) -> str:
         """The matrix as plain text: features, a grid, then every refusal with its reason."""
@@ -167,12 +186,11 @@ class Matrix:
         lines.append(" " * (width + 4) + "".join(f"{i:>4d}" for i in range(1, len(names) + 1)))
         for i, a in enumerate(names, 1):
             lines.append(f"{i:>2d} {a:<{width}s} " + "".join(f"{self._cell(a, b):>4s}" for b in names))
-        lines += ["", "refusals:"]
-        rows = self._refusal_rows()
-        for a, b, r in rows:
-            when = f" (when {r.when})" if r.when else ""
-            lines.append(f"  {a} x {b}{when} [plugin {r.plugin}]: {r.message()}")
-        if not rows:
+        lines += ["", "refusals (refused at initialize() with this message):"]
+        for pairs, r in self.groups():
+            when = f", when {r.when}" if r.when else ""
+            lines += [f"  {pairs} [plugin {r.plugin}{when}]:", f"      {r.message()}"]
+        if not self.refusals:
             lines.append("  (none)")
         return "\n".join(lines) + "\n"
 
@@ -185,11 +203,13 @@ class Matrix:
             "",
             "<!-- Generated from the installed plugins' declarations (hooks microspeed_features and "
             "microspeed_refusals). Do not edit: regenerate with "
-            "`microspeed plugins --matrix --markdown > docs/compositions.md`; "
+            "`microspeed plugins --matrix --markdown > docs/compositions.md` (or "
+            "python scripts/update_compositions.py, which also rewrites the plugin READMEs' Compositions blocks); "
             "tests/test_compositions.py checks that this file equals what the plugins declare. -->",
             "",
             "Which features combine, as the installed plugins declare them (`microspeed plugins --matrix` prints "
-            "the same for your installation). A refused pair is refused at `initialize()` with the message below.",
+            "the same for your installation). A refused pair is refused at `initialize()` with the message below; "
+            "each plugin's README argues its refusals under \"Compositions\".",
             "",
             f"{s['features']} features, {s['pairs']} pairs that can be on together: **{s['supported']} supported** "
             f"({s['conditional']} of them refused under a condition), **{s['refused']} refused**.",
@@ -210,14 +230,41 @@ class Matrix:
         for i, a in enumerate(names, 1):
             out.append(f"| **{i}** `{a}` | " + " | ".join(symbols[self._cell(a, b)] for b in names) + " |")
         out += ["", "## Refusals", ""]
-        rows = self._refusal_rows()
-        if rows:
-            out += ["| pair | when | plugin | why, and what to use instead |", "|---|---|---|---|"]
-            for a, b, r in rows:
-                out.append(f"| `{a}` × `{b}` | {_md(r.when) or 'always'} | {r.plugin} | {_md(r.message())} |")
+        groups = self.groups()
+        if groups:
+            out += ["| pairs | when | plugin | why, and what to use instead |", "|---|---|---|---|"]
+            for pairs, r in groups:
+                out.append(f"| {pairs} | {_md(r.when) or 'always'} | {r.plugin} | {_md(r.message())} |")
         else:
             out.append("None: every pair combines.")
         return "\n".join(out) + "\n"
+
+    def readme_section(self, plugins: Iterable[str]) -> str:
+        """The generated "Compositions" block of a distribution's README: the refusals involving ``plugins``' features.
+
+        Delimited by :data:`README_BEGIN` / :data:`README_END`; ``scripts/update_compositions.py`` rewrites it
+        and ``tests/test_compositions.py`` checks it. Each line argues one refusal in one sentence.
+        """
+        plugins = set(plugins)
+        features = [f.name for f in self.features if f.plugin in plugins]
+        lines = [README_BEGIN,
+                 f"Features: {', '.join(f'`{n}`' for n in features) or 'none'}. What is refused at `initialize()` "
+                 f"with them, why the combination is unsound, and what to use instead (every other pair combines; "
+                 f"the whole matrix: `microspeed plugins --matrix`, or docs/compositions.md in the repository):", ""]
+        groups = self.groups(features)
+        for pairs, r in groups:
+            when = f" when {r.when}" if r.when else ""
+            lines.append(f"- {pairs}{when} (refused by the plugin `{r.plugin}`): {r.message()}.")
+        if not groups:
+            lines.append("- none: each of these features combines with every installed feature.")
+        lines.append(README_END)
+        return "\n".join(lines) + "\n"
+
+
+README_BEGIN = "<!-- compositions: generated by scripts/update_compositions.py from microspeed_refusals -->"
+"""First line of the generated block in a plugin README (see :meth:`Matrix.readme_section`)."""
+README_END = "<!-- /compositions -->"
+"""Last line of that block."""
 
 
 def _md(text: str) -> str:
@@ -231,6 +278,13 @@ def _as_list(plugin: str, hook: str, answer: Any, kind: type) -> list[Any]:
         raise PluginError(f"plugin {plugin!r}: {hook} must return a list of {kind.__name__} or None, "
                           f"got {answer!r}")
     return list(answer)
+
+
+def _answers(pm: Any, hook: str) -> list[tuple[str, Any]]:
+    """``(plugin, answer)`` for each implementation of the collected ``hook``, plugins in registration order."""
+    order = {name: i for i, name in enumerate(pm.names())}
+    answers = [(plugin, answer) for plugin, answers in pm.call_each(hook) for answer in answers]
+    return sorted(answers, key=lambda pa: order.get(pa[0], len(order)))
 
 
 def composition_matrix(plugin_manager: Any = None) -> Matrix:
@@ -249,7 +303,7 @@ def composition_matrix(plugin_manager: Any = None) -> Matrix:
     pm = plugin_manager
     features: list[Feature] = []
     owner: dict[str, str] = {}
-    for plugin, answer in pm.call_each("microspeed_features"):
+    for plugin, answer in _answers(pm, "microspeed_features"):
         for f in _as_list(plugin, "microspeed_features", answer, Feature):
             if f.name in owner:
                 raise PluginError(f"the feature {f.name!r} is declared twice: by the plugin {owner[f.name]!r} and "
@@ -257,7 +311,7 @@ def composition_matrix(plugin_manager: Any = None) -> Matrix:
             owner[f.name] = plugin
             features.append(dataclasses.replace(f, plugin=plugin))
     refusals: list[Refusal] = []
-    for plugin, answer in pm.call_each("microspeed_refusals"):
+    for plugin, answer in _answers(pm, "microspeed_refusals"):
         for r in _as_list(plugin, "microspeed_refusals", answer, Refusal):
             if len(r.features) != 2 or r.features[0] == r.features[1]:
                 raise PluginError(f"plugin {plugin!r}: a refusal names two different features, got {r.features!r}")

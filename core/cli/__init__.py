@@ -34,16 +34,31 @@ def cmd_run(argv: Sequence[str]) -> int:
 
 
 def cmd_plugins(argv: Sequence[str]) -> int:
-    """List the plugins that load, with versions, and each hook's implementers in call order."""
+    """List the plugins that load, with versions, and each hook's implementers in call order; or (``--matrix``) the
+    composition matrix of their features."""
     parser = argparse.ArgumentParser(
         prog="microspeed plugins",
         description="List the plugins that load (built-ins, then entry points of group 'microspeed.plugins'), with "
                     "version, source and hooks, then every hook's implementers in call order.")
     parser.add_argument("--disable", action="append", default=[], metavar="NAME", help="plugin name not to load")
     parser.add_argument("--hooks", action="store_true", help="only the hooks and their implementers in call order")
+    parser.add_argument("--matrix", action="store_true",
+                        help="the composition matrix instead: which feature pairs the installed plugins support, "
+                             "which they refuse and why (from their microspeed_features/microspeed_refusals)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="with --matrix: print it as Markdown (`microspeed plugins --matrix --markdown > "
+                             "docs/compositions.md` regenerates the repository's page)")
     opts = parser.parse_args(argv)
+    if opts.markdown and not opts.matrix:
+        parser.error("--markdown goes with --matrix")
     pm = PluginManager()
     pm.load_all(disabled=opts.disable)
+    if opts.matrix:
+        from microspeed.compositions import composition_matrix
+
+        matrix = composition_matrix(pm)
+        sys.stdout.write(matrix.markdown() if opts.markdown else matrix.text())
+        return 0
     if not opts.hooks:
         print("plugins (registration order):")
         for info in pm.infos.values():
