@@ -53,12 +53,19 @@ class GradientPartitioning(Capability):
     partitioned and reduced over their own group (so MoE experts stay apart). ``config_key``: the key
     that turns it on, and ``disable_hint``: how a user turns it off — for refusals that name them.
     """
+    ``sums_marked_gradients``: parameters carrying a :class:`~microspeed.plugin_api.GradientSum` (tied
+    weights on several pipeline stages) have their reduced gradients summed over the marked group by
+    this owner, so the plugin that marked them does not sum ``p.grad`` itself. ``honours_norm_rules``:
+    its partitions are counted in the global norm with each parameter's
+    :class:`~microspeed.plugin_api.NormRule` (copies another rank counts are skipped).
 
     stage: int
     keeps_replica_groups: bool
     config_key: str
     disable_hint: str
 
+    sums_marked_gradients: bool = False
+    honours_norm_rules: bool = False
 
 @dataclass(frozen=True)
 class LossScaling(Capability):

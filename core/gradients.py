@@ -11,7 +11,12 @@
   squares another rank counts (a tied weight on a later pipeline stage, a tensor-parallel
   duplicate), or sum over extra *groups* (an expert's squares over its expert-parallel group).
   No plugin needs to know another's groups: each describes its own parameters, and
-  :func:`clip_` scales once.
+  :func:`clip_` scales once. A gradient-partitioning owner passes its shards cut into pieces of one
+  rule each (``rules=``, :meth:`GradNorm.rule_for`), so the rules hold for partitions too.
+* **Gradient sums.** A plugin that keeps copies of one parameter on several ranks whose gradients
+  must be summed (a tied weight on several pipeline stages) marks it with a :class:`GradientSum`
+  (``param.summed_over``). A gradient-reduction owner that states
+  ``GradientPartitioning.sums_marked_gradients`` sums them itself; otherwise the marking plugin does.
 """
 
 from __future__ import annotations
@@ -74,6 +79,26 @@ def reduced_over_data_parallel(param: torch.Tensor) -> bool:
     ranks (the experts of a Mixture-of-Experts layer); the plugin that made them synchronises them.
     """
     return getattr(param, "allreduce", True) is not False
+
+
+@dataclass(frozen=True)
+class GradientSum:
+    """A parameter whose gradient must be summed over its copies on other ranks (``param.summed_over``).
+
+    ``group``/``ranks``: the process group of the ranks holding a copy (one per pipeline stage of a
+    tied weight, at the same data and tensor coordinates); ``key``: a name equal on every rank of the
+    group for the same parameter (the tied key), so an owner can give each copy the same layout. The
+    copies' gradients are summed after each rank's own reduction; every copy then holds the sum.
+    """
+
+    group: Any
+    ranks: tuple[int, ...]
+    key: str
+
+
+def summed_over(param: torch.Tensor) -> GradientSum | None:
+    """The :class:`GradientSum` of ``param``, or ``None`` when its gradient is this rank's alone."""
+    return getattr(param, "summed_over", None)
 
 
 # ------------------------------------------------------------------------------------ overflow
@@ -177,6 +202,9 @@ class GradNorm:
         self._slot_of: dict[int, int] = {}  # id(param) -> slot index; params of no slot use slot 0
         self._skip: set[int] = set()
         self._groups: list[tuple[Any, ...]] = [()]
+        self._slot_key: dict[tuple[int, ...], int] = {(): 0}
+        self._rule_of: dict[int, NormRule] = {}
+        self._within: dict[tuple[int, int], bool] = {}
 
     def refresh(self) -> None:
         """Forget the rules and the parameter map (parameters were replaced)."""
@@ -186,13 +214,14 @@ class GradNorm:
         """Ask the plugins for their rules and map them onto the optimizer's and the module's parameters."""
         engine = self.engine
         self._rules = combine_rules(engine.hook.microspeed_grad_norm_rules(engine=engine))
-        self._groups, self._slot_of, self._skip = [()], {}, set()
+        self._groups, self._slot_of, self._skip, self._rule_of = [()], {}, set(), {}
+        self._slot_key = {(): 0}
         if not self._rules:
             return
         names = {id(p): n for n, p in engine.module.named_parameters()}
         for extra in engine.hook.microspeed_optimizer_param_names(engine=engine):
             names.update(extra or {})
-        keys: dict[tuple[int, ...], int] = {(): 0}
+        keys = self._slot_key
         by_name: dict[str, int] = {}
         for name, rule in self._rules.items():  # slots in rule order: the same on every rank
             key = tuple(id(g) for g in rule.groups)
@@ -206,28 +235,79 @@ class GradNorm:
             rule = self._rules.get(names.get(id(p), ""))
             if rule is None:
                 continue
+            self._rule_of[id(p)] = rule
             if rule.skip:
                 self._skip.add(id(p))
             else:
                 self._slot_of[id(p)] = by_name[names[id(p)]]
 
+    @property
+    def has_rules(self) -> bool:
+        """Whether any plugin gave a rule (without any, partitions need no per-parameter pieces)."""
+        if self._rules is None:
+            self.prepare()
+        return bool(self._rules)
+
+    def rule_for(self, param: torch.Tensor) -> NormRule | None:
+        """The merged :class:`NormRule` of ``param`` (a parameter of the module or the optimizer), or ``None``.
+
+        For an owner that partitions gradients: cut its shards into pieces of one rule each and pass the
+        rules with them (``rules=``).
+        """
+        if self._rules is None:
+            self.prepare()
+        return self._rule_of.get(id(param))
+
+    def _counted_groups(self, index: int, partitioned_over: Any) -> tuple[Any, ...]:
+        """Slot ``index``'s groups, less those inside ``partitioned_over`` (the pieces are summed over it)."""
+        groups = self._groups[index]
+        if partitioned_over is NOT_PARTITIONED:
+            return groups
+        if partitioned_over is None:
+            return ()
+        kept = []
+        for group in groups:
+            key = (id(group), id(partitioned_over))
+            if key not in self._within:
+                outer = set(dist.get_process_group_ranks(partitioned_over))
+                ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+                self._within[key] = set(ranks) <= outer
+            if not self._within[key]:
+                kept.append(group)
+        return tuple(kept)
+
     def __call__(self, grads: Sequence[torch.Tensor | None], *, params: Sequence[torch.Tensor] | None = None,
-                 partitioned_over: Any = NOT_PARTITIONED) -> torch.Tensor:
+                 partitioned_over: Any = NOT_PARTITIONED,
+                 rules: Sequence[NormRule | None] | None = None) -> torch.Tensor:
         """The global L2 norm (0-d fp32 tensor) of ``grads``, each element counted once over all ranks.
 
         ``params`` (same length as ``grads``) names whose gradient each is, for the rules; without it the
         gradients are matched to the optimizer's parameters by identity. ``partitioned_over``: the group
         across which ``grads`` are disjoint pieces (ZeRO's flat gradient shards; ``None`` is the world),
-        summed over it too. Pieces given without ``params`` belong to no single parameter, so no rule
-        applies to them: the partitioning owner has already placed every element in exactly one rank's
-        piece (an expert's shards over its replica group are disjoint within ``partitioned_over`` too).
+        summed over it too. Pieces given without ``params`` or ``rules`` belong to no single parameter, so
+        no rule applies to them: the partitioning owner has already placed every element in exactly one
+        rank's piece (an expert's shards over its replica group are disjoint within ``partitioned_over``
+        too). ``rules`` (same length as ``grads``): the :class:`NormRule` (or ``None``) of each piece, from
+        :meth:`rule_for` — a piece whose rule skips is not counted, and a rule's groups are summed over
+        unless they lie inside ``partitioned_over`` (whose sum already covers them).
         """
         if self._rules is None:
             self.prepare()
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
         topology = self.engine.topology
-        pieces = partitioned_over is not NOT_PARTITIONED and params is None
-        if pieces or (len(self._groups) == 1 and not self._skip):
+        pieces = partitioned_over is not NOT_PARTITIONED and params is None and rules is None
+        if rules is not None:
+            if len(rules) != len(grads):
+                raise ValueError(f"grad_norm: {len(grads)} gradients but {len(rules)} rules")
+            slots = [[] for _ in self._groups]
+            for g, rule in zip(grads, rules, strict=True):
+                if g is None or (rule is not None and rule.skip):
+                    continue
+                key = () if rule is None else tuple(id(h) for h in rule.groups)
+                if key not in self._slot_key:
+                    raise ValueError(f"grad_norm: {rule} is not a rule any plugin gave (use grad_norm.rule_for)")
+                slots[self._slot_key[key]].append(g)
+        elif pieces or (len(self._groups) == 1 and not self._skip):
             slots = [[g for g in grads if g is not None]]
             if partitioned_over is NOT_PARTITIONED and topology.model_parallel_size == 1:
                 return _local_norm(slots[0], device)  # pure data parallelism: every rank holds it all
@@ -241,7 +321,7 @@ class GradNorm:
         total = square_sum(slots[0], device)
         for index in range(1, len(slots)):
             part = square_sum(slots[index], device)
-            for group in self._groups[index]:
+            for group in self._counted_groups(index, partitioned_over):
                 if comm.get_world_size(group) > 1:
                     comm.all_reduce(part, group=group)
             total = total + part

@@ -15,7 +15,8 @@ What is here, by concern:
 * **compositions**: :class:`Feature` and :class:`Refusal` (hooks ``microspeed_features`` / ``microspeed_refusals``),
   :class:`Matrix`, :func:`composition_matrix` and :func:`refuse_pairs`;
 * **gradients**: :class:`ReplicaGroup` / :func:`replica_group` / :func:`reduced_over_data_parallel`,
-  :func:`has_inf_or_nan`, :class:`NormRule`, :func:`square_sum`, :func:`clip_`;
+  :func:`has_inf_or_nan`, :class:`NormRule`, :func:`square_sum`, :func:`clip_`, :class:`GradientSum` /
+  :func:`summed_over`;
 * **topology**: :class:`Topology`;
 * **communication**: :data:`comm` (microspeed's wrappers over ``torch.distributed``, observed by tracing,
   the watchdog and the comms logger — use them instead of ``torch.distributed`` for collectives);
@@ -44,6 +45,7 @@ from microspeed.gradients import (
     reduced_over_data_parallel,
     replica_group,
     square_sum,
+    GradientSum,
 )
 from microspeed.hookspecs import StepOutcome, hookimpl
 from microspeed.log import get_logger
@@ -51,6 +53,7 @@ from microspeed.ops.backend import env_choice, kernel_backend
 from microspeed.topology import Topology
 
 if TYPE_CHECKING:
+    summed_over,
     from microspeed.checkpoint import CheckpointError, CheckpointWarning, Placement, flat_shard
     from microspeed.checkpoint.manifest import TensorRef
     from microspeed.checkpoint.manifest import split as split_tensor_refs
@@ -95,6 +98,7 @@ __all__ = [
     "Refusal",
     "ReplicaGroup",
     "Role",
+    "GradientSum",
     "Section",
     "StepContext",
     "StepOutcome",
@@ -119,3 +123,4 @@ __all__ = [
     "split_tensor_refs",
     "square_sum",
 ]
+    "summed_over",

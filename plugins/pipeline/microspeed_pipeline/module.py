@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from microspeed.plugin_api import ConfigError
+from microspeed.plugin_api import ConfigError, GradientSum
 from microspeed_pipeline.topology import (
     ParallelGrid,
     PipeDataParallelTopology,
@@ -285,7 +285,13 @@ class PipelineModule(nn.Module):
         return keys
 
     def _make_tie_groups(self) -> None:
-        """One group per tied key and (data, model) coordinate, over the owning stages (collective)."""
+        """One group per tied key and (data, model) coordinate, over the owning stages (collective).
+
+        Each copy of a tied weight is marked ``summed_over`` (a :class:`~microspeed.plugin_api.GradientSum`
+        over that group, keyed by the tied module's name, equal on every stage): a gradient-reduction owner
+        that states ``sums_marked_gradients`` sums the copies' reduced gradients itself; otherwise the
+        pipeline's ``ReduceTiedGrads`` sums ``p.grad`` (:meth:`allreduce_tied_weight_gradients`).
+        """
         if not dist.is_initialized():
             return
         topo, axes = self._topo, self._topo.get_axis_names()
@@ -314,6 +320,8 @@ class PipelineModule(nn.Module):
                 group = dist.new_group(ranks)
                 if self._grid.global_rank in ranks:
                     self._tie_groups[key] = (group, ranks)
+                    for p in self.tied_parameters(key):  # for an owner of reduction that sums marked gradients
+                        p.summed_over = GradientSum(group, tuple(ranks), f"tied_modules.{key}")
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
         """The shared weights of tied module ``key`` on this rank."""

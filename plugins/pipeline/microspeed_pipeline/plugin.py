@@ -15,11 +15,11 @@ process grid) or when ``initialize(mpu=...)`` receives a :class:`~microspeed_pip
 * ``checkpoint_module_tensors``: tensor-parallel shards are presented as pieces of their full
   tensors, so checkpoints load under another tensor-parallel size.
 
-* ``conflicts``: what a plugin that partitions gradients (ZeRO, asked through the typed
-  :class:`~microspeed.plugin_api.GradientPartitioning` capability) cannot combine with: stages 2 and
-  3 with more than one pipeline stage (they reduce gradients from autograd hooks during backward,
-  which the schedule interleaves across micro-batches), and any stage with tensor parallelism or with
-  clipped tied weights.
+* ``conflicts``: a plugin that partitions gradients (ZeRO, asked through the typed
+  :class:`~microspeed.plugin_api.GradientPartitioning` capability) combines with every stage count,
+  tensor parallelism and tied weights when it states that it honours the norm rules
+  (``honours_norm_rules``) and sums the tied copies it is handed marked (``sums_marked_gradients``);
+  an owner that does not is refused those pairs.
 """
 
 from __future__ import annotations
@@ -41,13 +41,7 @@ from microspeed.plugin_api import (
     hookimpl,
     non_negative,
 )
-from microspeed_pipeline.compositions import (
-    FEATURES,
-    REFUSALS,
-    ZERO_2_3_WITH_PIPELINE,
-    ZERO_WITH_CLIPPED_TIED_WEIGHTS,
-    ZERO_WITH_TENSOR_PARALLEL,
-)
+from microspeed_pipeline.compositions import FEATURES, REFUSALS
 from microspeed_pipeline.module import PipelineModule
 from microspeed_pipeline.topology import ParallelGrid, get_default_grid, set_default_grid, using_grid
 
@@ -139,32 +133,34 @@ class PipelinePlugin:
 
     @hookimpl
     def microspeed_conflicts(self, config: Any, capabilities: Capabilities) -> list[tuple[str, str]] | None:
-        """What a grid cannot combine with when another plugin partitions gradients (ZeRO).
+        """What a grid cannot combine with when another plugin partitions gradients, by what it states.
 
         Asked through the typed :class:`GradientPartitioning` capability, whose ``config_key`` and
-        ``disable_hint`` name the key and the fix: stages 2 and 3 with several pipeline stages (they
-        reduce gradients from autograd hooks during backward, which the schedule interleaves across
-        micro-batches), any stage with tensor parallelism or with clipped tied weights (the partitioned
-        norm cannot tell the copies that another rank counts).
+        ``disable_hint`` name the key and the fix. An owner that does not honour the norm rules on its
+        partitions cannot serve tensor parallelism or clipped tied weights (the norm would count the
+        copies another rank counts); one that partitions gradients during backward (stage >= 2) and does
+        not sum marked gradients cannot serve cross-stage tied weights (their ``p.grad`` is gone by
+        ``ReduceTiedGrads``). ZeRO states both, so none of these apply to it.
         """
         part = capabilities.get(GradientPartitioning)
         if self.module is None or part is None or part.stage < 1:
             return None
         key, setting = part.config_key, f"{part.config_key}={part.stage}"
         out = []
-        if self.module.num_stages > 1 and part.stage >= 2:
-            out.append((key, f"{setting} with a pipeline of {self.module.num_stages} stages: "
-                             f"{ZERO_2_3_WITH_PIPELINE[0].message()}"))
         tp = self.grid.get_model_parallel_world_size()
-        if tp > 1:
-            out.append((key, f"{setting} with tensor parallelism (model axis {tp}): "
-                             f"{ZERO_WITH_TENSOR_PARALLEL[0].message()}"))
+        if tp > 1 and not part.honours_norm_rules:
+            out.append((key, f"{setting}: this gradient partitioning does not apply the norm rules to its "
+                             f"partitions, so with tensor parallelism (model axis {tp}) the norm would count the "
+                             f"replicated biases once per tensor rank; {part.disable_hint}."))
         tied = [k for k in self.module._tie_keys() if len(self.module.tied_owner_stages(k)) > 1]
         clipping = config["gradient_clipping"]
-        if tied and clipping > 0:
-            out.append(("gradient_clipping", f"gradient_clipping={clipping} with gradient partitioning ({setting}) "
-                                             f"and the tied weights {tied}: "
-                                             f"{ZERO_WITH_CLIPPED_TIED_WEIGHTS[0].message()}"))
+        if tied and clipping > 0 and not part.honours_norm_rules:
+            out.append(("gradient_clipping", f"gradient_clipping={clipping}: with gradient partitioning ({setting}) "
+                                             f"the gradient norm would count the tied weights {tied} once per stage "
+                                             f"that holds them; set gradient_clipping to 0 or {part.disable_hint}."))
+        if tied and part.stage >= 2 and not part.sums_marked_gradients:
+            out.append((key, f"{setting}: this gradient partitioning reduces gradients during backward and does not "
+                             f"sum the tied weights {tied} over their stages; {part.disable_hint}."))
         return out
 
     @hookimpl

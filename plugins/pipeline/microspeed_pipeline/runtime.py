@@ -11,8 +11,13 @@ runtime gives each kind its meaning, and nothing else decides the order:
   scales the loss through the core's ``scale_loss`` chain (gradient accumulation, fp16 loss
   scale) and runs the core's ``backward``; the others back-propagate the gradient they received;
 * ``Send*``/``Recv*``: :class:`~microspeed_pipeline.p2p.P2P`;
-* ``ReduceTiedGrads``: sum tied weights' gradients across their stages;
-* ``ReduceGrads``: the core's ``reduce_gradients`` (data parallel, or ZeRO, over the data axis);
+* ``ReduceTiedGrads``: sum tied weights' gradients across their stages — unless the owner of gradient
+  reduction states ``GradientPartitioning.sums_marked_gradients``: it then sums the tied copies
+  (marked :class:`~microspeed.plugin_api.GradientSum`) after its own reduction;
+* ``ReduceGrads``: the core's ``reduce_gradients`` (data parallel, or ZeRO, over the data axis).
+  Backward passes run with ``StepContext(boundary=False, reduce=False)``: the accumulation window ends
+  at ``ReduceGrads``; an owner that partitions gradients during backward (ZeRO-2/3) reduce-scatters
+  each micro-batch's gradients into its partitions as it does for any accumulation step;
 * ``OptimizerStep``: the core's ``engine.step()`` at the accumulation boundary.
 
 The batch's loss is the mean over micro-batches on the last stage, averaged over the data-parallel
@@ -27,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed.plugin_api import StepContext
+from microspeed.plugin_api import GradientPartitioning, StepContext
 from microspeed_pipeline import schedule as sched
 from microspeed_pipeline.module import PipelineModule
 from microspeed_pipeline.p2p import P2P, as_tuple
@@ -48,6 +53,8 @@ class PipelineRuntime:
         self.timings: dict[str, float] = {}
         self.running = False
         self._proven: set[tuple[int, int]] = set()
+        part = engine.capabilities.get(GradientPartitioning)
+        self._owner_sums_ties = part is not None and part.sums_marked_gradients
         self._reset()
 
     def _reset(self) -> None:
@@ -142,8 +149,9 @@ class PipelineRuntime:
 
     def _backward(self, mb: int, chunk: int) -> None:
         engine = self.engine
-        # reduction waits for ReduceGrads, after the tied-weight sums: no reduction from backward hooks
-        engine.ctx = ctx = StepContext(boundary=True, reduce=False)
+        # the window ends at ReduceGrads: the built-in and ZeRO-1 reduce there; ZeRO-2/3 reduce-scatter each
+        # micro-batch's gradients into their partitions as for any micro-step inside an accumulation window
+        engine.ctx = ctx = StepContext(boundary=False, reduce=False)
         if self._is_last_virtual(chunk):
             ctx.loss = loss = self.outputs.pop((chunk, mb))
             engine.hook.microspeed_before_backward(engine=engine, ctx=ctx)
@@ -221,7 +229,8 @@ class PipelineRuntime:
                 self._recv_grad(ins)
             elif isinstance(ins, sched.ReduceTiedGrads):
                 self.p2p.wait_all()
-                self.module.allreduce_tied_weight_gradients()
+                if not self._owner_sums_ties:
+                    self.module.allreduce_tied_weight_gradients()
             elif isinstance(ins, sched.ReduceGrads):
                 self.engine.ctx = StepContext(boundary=True, reduce=True)
                 self.engine.hook.microspeed_reduce_gradients(engine=self.engine)

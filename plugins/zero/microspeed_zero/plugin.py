@@ -140,7 +140,7 @@ class ZeroPlugin:
 
     @hookimpl(tryfirst=True)
     def microspeed_reduce_gradients(self) -> bool | None:
-        """Stage 1 reduces at the boundary; stages 2, 3 already did during backward."""
+        """Stage 1 reduces at the boundary; stages 2, 3 already did during backward. Then tied shards are summed."""
         if not self._active() or self.rt.optimizer is None:
             return None
         self.rt.reduce_at_boundary()
@@ -217,7 +217,8 @@ def partitioning(stage: int) -> GradientPartitioning:
     """What ZeRO at ``stage`` (>= 1) states about itself: every stage keeps replica groups (a parameter carrying a
     ``ReplicaGroup`` is partitioned, reduced and, at stage 3, gathered over that group)."""
     return GradientPartitioning(stage=stage, keeps_replica_groups=True, config_key="zero_optimization.stage",
-                                disable_hint="set zero_optimization.stage to 0")
+                                disable_hint="set zero_optimization.stage to 0", sums_marked_gradients=True,
+                                honours_norm_rules=True)
 
 
 def _show_notices(lines: tuple[str, ...]) -> None:

@@ -25,7 +25,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed.plugin_api import ConfigError, LossScaling, StepOutcome, comm, has_inf_or_nan, replica_group
+from microspeed.plugin_api import (
+    ConfigError,
+    GradientCompression,
+    GradientSum,
+    LossScaling,
+    NormRule,
+    StepOutcome,
+    comm,
+    has_inf_or_nan,
+    replica_group,
+    summed_over,
+)
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.config import ZeroConfig
@@ -69,6 +80,8 @@ class ZeroRuntime:
         self.swapper: Any = None
         self.optimized: list[Segment] = []
         self.precision: LossScaling | None = engine.capabilities.get(LossScaling)
+        self.ties: list[tuple[GradientSum, Segment]] = []  # segments of marked (tied) parameters, in key order
+        self._norm_runs: dict[int, list[tuple[int, int, NormRule | None]]] | None = None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -116,12 +129,15 @@ class ZeroRuntime:
         else:
             for seg in self.segments:
                 seg.groups = [group_of.get(id(p)) if p.requires_grad else None for p in seg.params]
+        self._find_ties()
         self._make_accumulators()
         self._make_masters()
         self.optimized = [seg for seg in self.segments if seg.index in self.masters]
+        codec = self.engine.capabilities.get(GradientCompression)  # 1-bit optimizers: compressed reduce-scatter
+        compression = (codec, codec.attach(self.optimizer.inner)) if codec and codec.accepts(optimizer) else None
         self.reducer = GradientReducer(self.segments, 1 if self.stage == 1 else 2, self.scaling,
                                        self.acc, self.wire_dtype, self.cfg.reduce_scatter,
-                                       self.cfg.contiguous_gradients)
+                                       self.cfg.contiguous_gradients, compression)
         if self.stage3 is not None:
             self.reducer.on_reduced = self.stage3.after_reduced
         self._install_grad_hooks()
@@ -129,15 +145,46 @@ class ZeroRuntime:
         return self.optimizer
 
     def _cut(self, order: list[tuple[str, torch.nn.Parameter, int]], cap: int) -> list[Segment]:
-        """Stages 1, 2: segments over the data-parallel group, then over each replica group (see ``ReplicaGroup``)."""
-        by_group: dict[Any, list[tuple[str, torch.nn.Parameter, int]]] = {None: []}
+        """Stages 1, 2: segments over the data-parallel group, then over each replica group (see ``ReplicaGroup``).
+
+        Parameters are grouped first (each group keeps backward order) so that every segment has one
+        :class:`NormRule` (the norm counts a segment's shard with one rule) and the parameters marked with
+        one :class:`GradientSum` key form segments of their own, ordered by name: the same layout on every
+        rank of the sum's group, so the reduced shards are summed element by element.
+        """
+        norm = self.engine.grad_norm
+        rules = norm.has_rules
+        by_group: dict[Any, list[tuple[str, torch.nn.Parameter, int]]] = {}
         for item in order:
-            by_group.setdefault(replica_group(item[1]), []).append(item)
+            rule = norm.rule_for(item[1]) if rules else None
+            rule_key = None if rule is None else (rule.skip, tuple(id(g) for g in rule.groups))
+            mark = summed_over(item[1])
+            key = (replica_group(item[1]), mark.key if mark is not None else None, rule_key)
+            by_group.setdefault(key, []).append(item)
+        ordered = sorted(by_group.items(), key=lambda kv: kv[0][1] is not None)  # marked ones last
         segments: list[Segment] = []
-        for rg, members in by_group.items():
+        for (rg, tie, _), members in ordered:
+            if tie is not None:
+                members = sorted(members, key=lambda item: item[0])
             world, rank, group = (self.world, self.rank, self.group) if rg is None else (rg.size, rg.rank, rg.group)
             segments += cut_segments(members, world, rank, cap, start_index=len(segments), group=group)
         return segments
+
+    def _find_ties(self) -> None:
+        """The segments of parameters marked with a :class:`GradientSum` (all of a segment's, or none)."""
+        ties = []
+        for seg in self.segments:
+            marks = [summed_over(p) for p in seg.params]
+            if all(m is None for m in marks):
+                continue
+            keys = {m.key if m is not None else None for m in marks}
+            if len(keys) != 1 or None in keys:
+                raise ConfigError(f"zero_optimization.stage={self.stage}: the parameters {seg.names} form one "
+                                  f"partition but only some of them are summed over other ranks (GradientSum "
+                                  f"keys {sorted(str(k) for k in keys)}); put the tied weights in a module of "
+                                  f"their own (e.g. a TiedLayerSpec whose module holds only them).")
+            ties.append((marks[0], seg))
+        self.ties = sorted(ties, key=lambda t: (t[0].key, t[1].names))
 
     def _flatten_parameters(self) -> None:
         """Stages 1, 2: each segment's parameters become views of one flat buffer, broadcast from its group's
@@ -261,9 +308,13 @@ class ZeroRuntime:
             self.stage3.after_backward()
 
     def reduce_at_boundary(self) -> None:
-        """Stage 1: reduce what was not launched during backward and wait for all."""
+        """Stage 1: reduce what was not launched during backward and wait for all. Every stage: sum the
+        reduced shards of marked (tied) parameters over their :class:`GradientSum` groups."""
         if self.stage == 1:
             self.reducer.flush()
+        for mark, seg in self.ties:
+            if seg.index in self.acc and len(mark.ranks) > 1:
+                comm.all_reduce(self.local_grads(seg), group=mark.group)
 
     # -- step ----------------------------------------------------------------------------------
 
@@ -287,7 +338,7 @@ class ZeroRuntime:
                 return StepOutcome(applied=False, grad_norm=None)
         target = self.master_device or self.device
         grads = {i: g.to(device=target, dtype=torch.float32) for i, g in grads.items()}  # fp32 (a view when it is)
-        norm = self._global_norm(list(grads.values())) / scale
+        norm = self._global_norm(grads) / scale
         coef = 1.0 / scale
         if self.max_norm > 0:
             coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0) / scale
@@ -332,14 +383,40 @@ class ZeroRuntime:
         if grads and not (isinstance(coef, float) and coef == 1.0):
             torch._foreach_mul_(grads, coef if isinstance(coef, float) else coef.to(grads[0].device))
 
-    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def _global_norm(self, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         """The kernel's one norm over this rank's gradient partitions, disjoint across the data-parallel group.
 
         Every element is held by one rank of the group (parameters of a replica group by one rank of
         theirs, and the replica groups' ranks hold different parameters), so the squares are summed over
-        the data-parallel group, then over the model-parallel group as for every gradient.
+        the data-parallel group, then over the model-parallel group as for every gradient. When plugins
+        gave :class:`NormRule` s, each shard is cut into runs of one rule (one run per segment at stages 1
+        and 2, whose segments are cut by rule) and passed with them: copies another rank counts (tied
+        weights on later stages, tensor-parallel duplicates) are skipped.
         """
-        return self.engine.grad_norm(grads, partitioned_over=self.group)
+        norm = self.engine.grad_norm
+        if not norm.has_rules:
+            return norm(list(grads.values()), partitioned_over=self.group)
+        if self._norm_runs is None:
+            self._norm_runs = {seg.index: self._rule_runs(seg) for seg in self.optimized}
+        pieces, rules = [], []
+        for index, g in grads.items():
+            for start, end, rule in self._norm_runs[index]:
+                pieces.append(g[start:end])
+                rules.append(rule)
+        return norm(pieces, partitioned_over=self.group, rules=rules)
+
+    def _rule_runs(self, seg: Segment) -> list[tuple[int, int, NormRule | None]]:
+        """``[(start, end, rule), ...]``: this rank's slice of ``seg`` in maximal runs of one rule."""
+        norm = self.engine.grad_norm
+        runs: list[tuple[int, int, NormRule | None]] = []
+        for i, a, start in seg.pieces(seg.rank):
+            end = start + seg.param_range(i, seg.rank)[1] - a
+            rule = norm.rule_for(seg.params[i])
+            if runs and runs[-1][2] == rule and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], end, rule)
+            else:
+                runs.append((start, end, rule))
+        return runs
 
     def _write_back(self, seg: Segment) -> None:
         """Copy the stepped master into the parameters' slice, then :meth:`publish` it."""
