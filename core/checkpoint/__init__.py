@@ -92,6 +92,7 @@ from microspeed.checkpoint.sharding import (
     collect_placements,
     flat_range_boxes,
     flat_shard,
+    place_pieces,
     placement_of,
 )
 
@@ -117,6 +118,7 @@ __all__ = [
     "merge_optimizer_parts",
     "new_manifest",
     "optimizer_param_names",
+    "place_pieces",
     "placement_of",
     "read_latest",
     "read_manifest",

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from microspeed.checkpoint.errors import CheckpointError
 from microspeed.checkpoint.layout import _find_unreadable_file, _quiet_dcp, _short
-from microspeed.checkpoint.sharding import Placement, _is_sharded, box_shard, placement_of
+from microspeed.checkpoint.sharding import Placement, _is_sharded, box_shard, place_pieces, placement_of
 
 
 class Reader:
@@ -32,7 +32,8 @@ class Reader:
     def _placed(self, key: str, shape: tuple[int, ...]) -> Placement | None:
         """The placement when ``key`` is a piece of shape ``shape`` of a tensor saved whole (any split)."""
         where = placement_of(key, self.placements)
-        if where is not None and tuple(shape) == where.local and tuple(self.meta(key).size) == where.shape:
+        if where is not None and not where.whole and tuple(shape) == where.local \
+                and tuple(self.meta(key).size) == where.shape:
             return where
         return None
 
@@ -47,8 +48,10 @@ class Reader:
     def into(self, key: str, target: torch.Tensor, name: str) -> None:
         """Read ``key`` into ``target`` (cast to its dtype); shapes must agree, or ``target`` be its placed piece."""
         where = self._placed(key, tuple(target.shape))
-        if where is not None:
-            self.sharded.append((key, box_shard(target, where.shape, where.pieces, self.rank)))
+        if where is not None:  # a piece of the saved tensor; pieces of that piece when another plugin split it too
+            placed = place_pieces(target, where, self.rank) if _is_sharded(target) \
+                else box_shard(target, where.shape, where.pieces, self.rank)
+            self.sharded.append((key, placed))
             return
         saved = tuple(self.meta(key).size)
         if saved != tuple(target.shape):
@@ -63,7 +66,7 @@ class Reader:
         """A new CPU tensor that will hold ``key`` as saved (dtype and shape; this rank's piece when placed)."""
         meta = self.meta(key)
         where = placement_of(key, self.placements)
-        if where is not None and tuple(meta.size) == where.shape:
+        if where is not None and not where.whole and tuple(meta.size) == where.shape:
             local = torch.empty(where.local, dtype=meta.properties.dtype)
             self.sharded.append((key, box_shard(local, where.shape, where.pieces, self.rank)))
             return local

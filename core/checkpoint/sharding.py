@@ -179,7 +179,16 @@ class Placement:
 
     ``shape``: the full tensor's; ``offsets``/``local``: this rank's box; ``pieces``: ``(global rank,
     offsets, sizes)`` of one complete copy that includes this rank's piece (its replica's ranks);
-    ``write``: whether this rank's replica writes the tensor (exactly one replica should).
+    ``write``: whether this rank's data-parallel replica writes the box (exactly one replica should);
+    ``duplicate``: another rank of the same replica holds and writes the same values (a tied copy on
+    a later pipeline stage, a replicated parameter on tensor rank > 0), so this rank never writes it.
+
+    **Composition with data-axis sharding.** When another plugin already presents the tensor as
+    pieces of the local box (ZeRO's :func:`flat_shard` of a tensor-parallel shard, each data-parallel
+    rank holding different flat ranges), those pieces are moved into the full tensor at ``offsets``
+    (:func:`place_pieces`) and every data-parallel rank writes its own; ``write`` is then moot,
+    ``duplicate`` still holds. Loading composes the same way, so a checkpoint written under
+    pp × tp × dp with any ZeRO stage reads back under any other pp, tp, dp and stage.
     """
 
     shape: tuple[int, ...]
@@ -187,6 +196,12 @@ class Placement:
     local: tuple[int, ...]
     pieces: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
     write: bool = True
+    duplicate: bool = False
+
+    @property
+    def whole(self) -> bool:
+        """Whether this rank's box is the whole tensor (a placement that only says who writes)."""
+        return tuple(self.local) == tuple(self.shape)
 
 
 def box_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int],
@@ -215,17 +230,41 @@ def placement_of(key: str, placements: dict[str, Placement]) -> Placement | None
     return None
 
 
+def place_pieces(sharded: Any, where: Placement, rank: int) -> Any:
+    """The pieces of ``sharded`` (a tensor of shape ``where.local`` split by another plugin) inside the full tensor.
+
+    ``sharded`` is a DTensor made by :func:`flat_shard` or :func:`box_shard` over this rank's box; the
+    result is a DTensor of ``where.shape`` over the very same views, each piece moved by
+    ``where.offsets`` (a ZeRO flat range of a tensor-parallel shard becomes a box of the full tensor).
+    """
+    local = sharded._local_tensor
+    if not isinstance(local, Pieces):
+        raise TypeError(f"place_pieces: expected checkpoint pieces inside the sharded tensor, got {type(local)}")
+    offsets = [tuple(int(o) + int(w) for o, w in zip(chunk.offsets, where.offsets, strict=True))
+               for chunk in local._chunks]
+    return _pieces_tensor(local._pieces, offsets, where.shape, rank, _world(rank + 1), local)
+
+
 def apply_placements(tensors: dict[str, Any], placements: dict[str, Placement], rank: int) -> None:
-    """Replace each placed piece in ``tensors`` by its sharded view; drop it where another replica writes it."""
+    """Replace each placed piece in ``tensors`` by its sharded view; drop it where another rank writes it.
+
+    A tensor another plugin already split into pieces (a DTensor of the local box) keeps its
+    pieces, moved into the full tensor (:func:`place_pieces`): each data-parallel rank writes its own.
+    """
     for key in list(tensors):
         where = placement_of(key, placements)
         t = tensors[key]
         if where is None or not isinstance(t, torch.Tensor) or tuple(t.shape) != where.local:
             continue
-        if where.write:
-            tensors[key] = box_shard(t.contiguous(), where.shape, where.pieces, rank)
-        else:
+        if where.duplicate:
             del tensors[key]
+        elif _is_sharded(t):
+            if not where.whole:
+                tensors[key] = place_pieces(t, where, rank)
+        elif not where.write:
+            del tensors[key]
+        elif not where.whole:
+            tensors[key] = box_shard(t.contiguous(), where.shape, where.pieces, rank)
 
 
 def collect_placements(engine: Any) -> dict[str, Placement]:

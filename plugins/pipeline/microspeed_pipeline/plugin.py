@@ -263,31 +263,43 @@ class PipelinePlugin:
 
     @hookimpl
     def microspeed_checkpoint_placements(self, engine: Any) -> dict | None:
-        """Tensor-parallel shards as boxes of their full tensors (one data-parallel replica writes them)."""
-        if self.grid is None or self.grid.get_model_parallel_world_size() == 1:
+        """Tensor-parallel shards as boxes of their full tensors; who writes each tensor.
+
+        One data-parallel replica writes a shard (``write``); copies that another rank of the same
+        replica holds — a tied weight on every stage but its first owner, a replicated parameter
+        (norms, row-parallel biases) on tensor rank > 0 — are marked ``duplicate`` and never written
+        here. A plugin that also splits the tensor over the data axis (ZeRO) presents pieces of the
+        local shard; the core moves them into the full tensor through these placements. Under
+        ZeRO stage 3 the local shape is the parameter's ``ds_shape``.
+        """
+        if self.grid is None:
             return None
         from microspeed.plugin_api import Placement
 
         g = self.grid
-        tp, tp_ranks = g.get_model_parallel_world_size(), g.group_ranks["model"]
+        tp, tp_ranks = g.get_model_parallel_world_size(), g.group_ranks.get("model", [g.get_global_rank()])
+        tied = self.module.tied_duplicate_names() if self.module is not None else set()
+        replica_copy = tp > 1 and g.get_model_parallel_rank() > 0
         out = {}
         for name, p in engine.module.named_parameters():
-            if not getattr(p, "tensor_model_parallel", False):
-                continue
-            dim = p.partition_dim
-            if getattr(p, "partition_stride", 1) != 1:
-                raise ConfigError(f"checkpoint: {name} is split with partition_stride="
-                                   f"{p.partition_stride}; only stride 1 shards can be saved as boxes.")
-            local = tuple(p.shape)
-            shape = tuple(n * tp if d == dim else n for d, n in enumerate(local))
-            pieces = []
-            for i, q in enumerate(tp_ranks):
-                offsets = tuple(i * local[dim] if d == dim else 0 for d in range(len(local)))
-                pieces.append((q, offsets, local))
-            mine = pieces[g.get_model_parallel_rank()][1]
-            out[name] = Placement(shape=shape, offsets=mine, local=local, pieces=tuple(pieces),
-                                  write=g.get_data_parallel_rank() == 0)
-        return out
+            local = tuple(getattr(p, "ds_shape", None) or p.shape)
+            split = tp > 1 and getattr(p, "tensor_model_parallel", False)
+            if split:
+                dim = p.partition_dim % len(local)
+                if getattr(p, "partition_stride", 1) != 1:
+                    raise ConfigError(f"checkpoint: {name} is split with partition_stride="
+                                      f"{p.partition_stride}; only stride 1 shards can be saved as boxes.")
+                shape = tuple(n * tp if d == dim else n for d, n in enumerate(local))
+                pieces = tuple((q, tuple(i * local[dim] if d == dim else 0 for d in range(len(local))), local)
+                               for i, q in enumerate(tp_ranks))
+                out[name] = Placement(shape=shape, offsets=pieces[g.get_model_parallel_rank()][1], local=local,
+                                      pieces=pieces, write=g.get_data_parallel_rank() == 0,
+                                      duplicate=name in tied)
+            elif name in tied or replica_copy:
+                zeros = tuple(0 for _ in local)
+                out[name] = Placement(shape=local, offsets=zeros, local=local,
+                                      pieces=((g.get_global_rank(), zeros, local),), duplicate=True)
+        return out or None
 
 
 def default_grid() -> ParallelGrid | None:

@@ -1,0 +1,134 @@
+"""The tied-embedding tensor-parallel GPT (:mod:`microspeed_pipeline.gpt3d`) under pp × tp × dp, with checkpoints
+that resume under other topologies and ZeRO stages, with the losses of one uninterrupted process.
+
+Every run trains the same global batch per step (``GLOBAL`` micro-batches of ``MICRO`` sequences, split
+over the data axis: ``gradient_accumulation_steps = GLOBAL / dp``), so per-step losses of any topology
+equal the single-process run: relative 1e-5 in fp32, ``BF16_RTOL`` (2e-2) in bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from microspeed.testing import run_distributed
+
+MICRO, GLOBAL, LR, STEPS, SAVE_AT = 2, 4, 1e-2, 4, 2
+FP32_RTOL = 1e-5
+BF16_RTOL = 2e-2
+"""Stated bf16 tolerance: per-step losses of a bf16 run vs the fp32 single-process run (relative)."""
+
+
+def model_config():
+    """The tiny GPT: vocabulary 64, width 32, 4 heads, 2 blocks, sequences of 8."""
+    from microspeed.models import GPTConfig
+
+    return GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=32)
+
+
+def reference_losses(steps: int = STEPS, clip: float = 0.0) -> list[float]:
+    """tp1/pp1/dp1 in this process (plain torch loop, fp32): the model ``gpt3d_pipeline`` gives one process."""
+    from microspeed_pipeline.gpt3d import gpt3d_batches, gpt3d_loss, gpt3d_pipeline
+
+    cfg = model_config()
+    model = gpt3d_pipeline(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+    out = []
+    for step in range(steps):
+        loss = torch.stack([gpt3d_loss(model(x), y) for x, y in gpt3d_batches(cfg, step, GLOBAL, MICRO)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def train(pp: int, tp: int, zero: int = 0, bf16: bool = False, clip: float = 0.0, load: str | None = None,
+          save: str | None = None, steps: int = STEPS, save_at: int = SAVE_AT) -> list[float]:
+    """One rank of a pp × tp × dp run: resume from ``load`` if given, train to ``steps``, save at ``save_at``.
+
+    Returns the losses of the steps it ran.
+    """
+    import torch.distributed as dist
+    from microspeed_pipeline import PipeModelDataParallelTopology
+    from microspeed_pipeline.gpt3d import gpt3d_batches, gpt3d_pipeline
+
+    import microspeed
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp = world // (pp * tp)
+    cfg = model_config()
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GLOBAL // dp,
+              "steps_per_print": 10**6, "optimizer": {"type": "Adam", "params": {"lr": LR}},
+              "gradient_clipping": clip, "zero_optimization": {"stage": zero}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    engine, *_ = microspeed.initialize(model=gpt3d_pipeline(cfg, topology=topo), config=config)
+    if load is not None:
+        engine.load_checkpoint(load)
+    d, gas = engine.topology.data_parallel_rank, GLOBAL // dp
+    losses = []
+    for step in range(engine.global_steps, steps):
+        mine = gpt3d_batches(cfg, step, GLOBAL, MICRO)[d * gas:(d + 1) * gas]
+        losses.append(engine.train_batch(iter(mine)).item())
+        if save is not None and step + 1 == save_at:
+            engine.save_checkpoint(save)
+    return losses
+
+
+def _close(results: list[list[float]], expected: list[float], rtol: float, what: str) -> None:
+    for rank, losses in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=rtol, atol=0,
+                                   msg=lambda m, r=rank: f"{what}, rank {r}: {m}")
+
+
+def test_gpt3d_builds_the_same_weights_for_every_topology_and_is_the_plain_model():
+    from microspeed_pipeline.gpt3d import gpt3d_batches, gpt3d_pipeline
+
+    cfg = model_config()
+    a, b = gpt3d_pipeline(cfg), gpt3d_pipeline(cfg)
+    assert [n for n, _ in a.named_parameters()][0] == "tied_modules.embed.weight"
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(a.get_parameter("2.q.weight"), a.get_parameter("3.q.weight"))  # layers differ
+    x, _ = gpt3d_batches(cfg, 0, 1, MICRO)[0]
+    logits = a(x)
+    assert logits.shape == (MICRO, cfg.seq_len, cfg.vocab_size)
+    # the head is the embedding's weight: logits of the final normalised stream against it
+    emb = a.tied_modules["embed"].weight
+    assert torch.equal(a.tied_modules["embed"](x[:, :1])[:, 0], emb[x[:, 0]])
+
+
+@pytest.mark.slow
+def test_pp2_tp2_checkpoint_resumes_under_tp2_dp2_pp2_and_one_process(tmp_path):
+    """fp32, no ZeRO: pp2 × tp2 × dp1 saves; pp1 × tp2 × dp2, pp2 × tp1 × dp1 and 1 process resume."""
+    expected = reference_losses(clip=1.0)
+    ck = str(tmp_path / "pp2tp2")
+    saved = run_distributed(train, world_size=4, args=(2, 2), kwargs={"clip": 1.0, "save": ck, "steps": SAVE_AT},
+                            timeout=240)
+    _close(saved, expected[:SAVE_AT], FP32_RTOL, "pp2 x tp2 x dp1")
+    for world, pp, tp in ((4, 1, 2), (2, 2, 1)):
+        resumed = run_distributed(train, world_size=world, args=(pp, tp), kwargs={"clip": 1.0, "load": ck},
+                                  timeout=240)
+        _close(resumed, expected[SAVE_AT:], FP32_RTOL, f"resumed pp{pp} x tp{tp} x dp{world // (pp * tp)}")
+
+
+@pytest.mark.slow
+def test_zero_checkpoints_of_pipelines_with_tied_weights_resume_under_other_stages_and_tensor_parallel(tmp_path):
+    """ZeRO-1 pp2 × dp2 (tied weights on both stages) saves; ZeRO-3 pp1 × dp2 resumes and saves; pp2 × tp2 resumes.
+
+    fp32: the tied weight's optimizer state is written once (the later stage's copy is a duplicate),
+    ZeRO's flat pieces reload into other flat partitions and into tensor-parallel boxes.
+    """
+    expected = reference_losses()
+    a, b = str(tmp_path / "zero1_pp2"), str(tmp_path / "zero3_dp2")
+    saved = run_distributed(train, world_size=4, args=(2, 1), kwargs={"zero": 1, "save": a, "steps": SAVE_AT},
+                            timeout=240)
+    _close(saved, expected[:SAVE_AT], FP32_RTOL, "ZeRO-1 pp2 x dp2")
+    zero3 = run_distributed(train, world_size=2, args=(1, 1), kwargs={"zero": 3, "load": a, "save": b,
+                                                                       "save_at": SAVE_AT + 1}, timeout=240)
+    _close(zero3, expected[SAVE_AT:], FP32_RTOL, "ZeRO-3 pp1 x dp2 resumed")
+    tp = run_distributed(train, world_size=4, args=(2, 2), kwargs={"load": b}, timeout=240)
+    _close(tp, expected[SAVE_AT + 1:], FP32_RTOL, "pp2 x tp2 resumed from ZeRO-3")
