@@ -1,0 +1,136 @@
+"""MoE layers in a pipeline (experts split over each stage's data axis) and beside tensor-parallel layers.
+
+fp32 per-step losses equal a single-process run of the same layers with every expert local
+(``ep_size`` 1), relative 1e-5; the auxiliary loss travels with the activations (:mod:`microspeed_moe.pipe`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from microspeed.testing import run_distributed
+
+IN, HIDDEN, OUT, EXPERTS = 6, 8, 1, 4
+MICRO, TOKENS, GAS, STEPS, BASE_SEED = 2, 4, 2, 3, 77
+
+
+class Block(nn.Module):
+    """Linear → GELU → Linear; with ``tp`` column- then row-parallel (the same initial weights)."""
+
+    def __init__(self, tp: bool = False) -> None:
+        super().__init__()
+        fc1, fc2 = nn.Linear(HIDDEN, 2 * HIDDEN), nn.Linear(2 * HIDDEN, HIDDEN)
+        if tp:
+            from microspeed_pipeline.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+            fc1 = ColumnParallelLinear.from_dense(fc1, gather_output=False)
+            fc2 = RowParallelLinear.from_dense(fc2, input_is_parallel=True)
+        self.fc1, self.fc2 = fc1, fc2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+def specs(eps: tuple[int, int], tp: bool = False, **moe_kwargs) -> list:
+    """Linear, MoE, (tensor-parallel) block, MoE, GELU, Linear — the MoE layers with ``eps`` expert parallelism."""
+    from microspeed_moe.pipe import CarryAux, MoEPipeLayer
+    from microspeed_pipeline.module import LayerSpec
+
+    torch.manual_seed(5)
+    expert = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+    kwargs = {"num_experts": EXPERTS, "min_capacity": 2, "use_rts": False, "top2_2nd_expert_sampling": False,
+              "aux_loss_coef": 0.05, **moe_kwargs}
+    return [LayerSpec(nn.Linear, IN, HIDDEN), LayerSpec(MoEPipeLayer, HIDDEN, expert, ep_size=eps[0], **kwargs),
+            LayerSpec(CarryAux, Block, tp=tp), LayerSpec(MoEPipeLayer, HIDDEN, expert, ep_size=eps[1], **kwargs),
+            LayerSpec(CarryAux, nn.GELU), LayerSpec(CarryAux, nn.Linear, HIDDEN, OUT)]
+
+
+def micro_batches(step: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` micro-batches of the step's global batch: ``[MICRO, TOKENS, IN]`` inputs, ``[..., OUT]`` targets."""
+    g = torch.Generator().manual_seed(4242 + step)
+    return [(torch.randn(MICRO, TOKENS, IN, generator=g), torch.randn(MICRO, TOKENS, OUT, generator=g))
+            for _ in range(count)]
+
+
+def config(extra: dict) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "steps_per_print": 10**6,
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, **extra}
+
+
+def reference_losses(dp: int, clip: float = 0.0, **moe_kwargs) -> list[float]:
+    """One process: the same layers seeded as ``seed_layers`` does, every expert local, all micro-batches."""
+    from microspeed_moe.pipe import aux_loss
+
+    modules = []
+    for idx, spec in enumerate(specs((1, 1), **moe_kwargs)):
+        torch.manual_seed(BASE_SEED + idx)
+        modules.append(spec.build())
+    model = nn.Sequential(*modules)
+    loss_fn = aux_loss(nn.functional.mse_loss)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    out = []
+    for step in range(STEPS):
+        loss = torch.stack([loss_fn(model(x), y) for x, y in micro_batches(step, dp * GAS)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+CASES = [  # pp, tp, expert parallelism of the two MoE layers, MoE kwargs, extra config
+    (2, 1, (2, 2), {"k": 1}, {}),
+    (2, 1, (1, 2), {"k": 2, "drop_tokens": False}, {"gradient_clipping": 0.2}),
+    (2, 1, (2, 2), {"k": 1}, {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.2}),
+    (1, 2, (2, 2), {"k": 1}, {"gradient_clipping": 0.2}),
+    (1, 2, (2, 1), {"k": 2, "capacity_factor": 0.5}, {}),
+]
+IDS = ["pp2xdp2-ep2", "pp2xdp2-ep1+ep2-top2-clip", "pp2xdp2-ep2-zero1-clip", "tp2xdp2-ep2-clip",
+       "tp2xdp2-ep2+ep1-top2-drop"]
+
+
+def _train(pp: int, tp: int, eps: tuple[int, int], moe_kwargs: dict, extra: dict) -> list[float]:
+    import torch.distributed as dist
+    from microspeed_moe.pipe import aux_loss
+    from microspeed_pipeline import PipelineModule, PipeModelDataParallelTopology
+
+    import microspeed
+
+    dp = dist.get_world_size() // (pp * tp)
+    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    model = PipelineModule(specs(eps, tp=tp > 1, **moe_kwargs), topology=topo, loss_fn=aux_loss(nn.functional.mse_loss),
+                           partition_method="uniform", seed_layers=True, base_seed=BASE_SEED)
+    engine, *_ = microspeed.initialize(model=model, config=config(extra))
+    d = engine.topology.data_parallel_rank
+    losses = [engine.train_batch(iter(micro_batches(step, dp * GAS)[d * GAS:(d + 1) * GAS])).item()
+              for step in range(STEPS)]
+    group = engine.topology.data_parallel_group
+    dp_ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dp))
+    placed = [(m.ep_size, m.deepspeed_moe.experts.first, list(m.deepspeed_moe.experts.local_indices()))
+              for m in model.modules() if type(m).__name__ == "MoE"]
+    return {"losses": losses, "dp_ranks": dp_ranks, "placed": placed}
+
+
+def _all(cases: list) -> list[dict]:
+    return [_train(*case) for case in cases]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", [slice(0, 3), slice(3, 5)], ids=["pipeline", "tensor-parallel"])
+def test_moe_in_a_grid_equals_one_process(part):
+    cases, ids = CASES[part], IDS[part]
+    results = run_distributed(_all, world_size=4, args=(cases,), timeout=300)
+    for i, (pp, tp, _eps, moe_kwargs, extra) in enumerate(cases):
+        expected = reference_losses(4 // (pp * tp), clip=extra.get("gradient_clipping", 0.0), **moe_kwargs)
+        for rank, per_case in enumerate(results):
+            got = per_case[i]
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected), rtol=1e-5, atol=0,
+                                       msg=lambda m, r=rank, c=ids[i]: f"{c}, rank {r}: {m}")
+            # experts are split over this rank's data axis: its position there says which it holds
+            position = got["dp_ranks"].index(rank)
+            assert got["placed"] and all(first == (position % ep) * (EXPERTS // ep) and len(local) == EXPERTS // ep
+                                         for ep, first, local in got["placed"]), (ids[i], rank, got)
