@@ -9,7 +9,7 @@ refusal means deleting its constant here together with the code that raises it.
 
 from __future__ import annotations
 
-from microspeed.plugin_api import Feature, refuse_pairs
+from microspeed.plugin_api import Feature
 
 SCHEDULE = "pipeline.schedule"
 
@@ -36,29 +36,7 @@ CHECKPOINTING_FEATURES = (
 )
 """The ``activation_checkpointing`` plugin's feature."""
 
-ZERO_2_3_WITH_PIPELINE = refuse_pairs(
-    ("zero-2", "zero-3"), PIPELINES,
-    reason="ZeRO stages 2 and 3 reduce each gradient from an autograd hook as soon as its backward ends, while a "
-           "pipeline schedule runs several micro-batches' backwards interleaved with other stages' sends, so the "
-           "partition would be reduced before the last micro-batch has added to it",
-    instead="use zero_optimization.stage 1 with a pipeline (it partitions the optimizer state only)")
-"""ZeRO-2/3 with a pipeline of several stages."""
-
-ZERO_WITH_TENSOR_PARALLEL = refuse_pairs(
-    ("zero-1", "zero-2", "zero-3", "offload-cpu", "offload-nvme"), ("tensor-parallel",),
-    reason="ZeRO's flat partitions carry no per-parameter norm rule, so the global gradient norm would count the "
-           "parameters every tensor rank replicates (biases, layer norms) once per tensor rank",
-    instead="use tensor parallelism with plain data parallelism (zero_optimization.stage 0), or ZeRO without "
-            "tensor parallelism")
-"""ZeRO (any stage, hence its offload) with tensor parallelism."""
-
-ZERO_WITH_CLIPPED_TIED_WEIGHTS = refuse_pairs(
-    ("zero-1", "zero-2", "zero-3"), PIPELINES,
-    reason="with gradient partitioning the gradient norm cannot tell the copies of a weight tied across stages "
-           "that another stage counts, so clipping would count tied weights once per stage that holds them",
-    instead="set gradient_clipping to 0, or zero_optimization.stage to 0",
-    when="weights tied across pipeline stages and gradient_clipping > 0")
-"""ZeRO with weights tied across stages and gradient clipping (a condition, not a whole pair)."""
-
-REFUSALS = ZERO_2_3_WITH_PIPELINE + ZERO_WITH_TENSOR_PARALLEL + ZERO_WITH_CLIPPED_TIED_WEIGHTS
-"""Everything the ``pipeline`` plugin refuses."""
+REFUSALS: tuple = ()
+"""Everything the ``pipeline`` plugin refuses: nothing. ZeRO-2/3 with a pipeline, ZeRO with tensor parallelism
+and ZeRO with clipped cross-stage tied weights work (ZeRO honours the norm rules on its partitions and sums
+the tied copies marked with ``GradientSum``); see test_pipeline_zero.py."""
