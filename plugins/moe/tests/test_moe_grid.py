@@ -1,4 +1,5 @@
-"""MoE layers in a pipeline (experts split over each stage's data axis) and beside tensor-parallel layers.
+"""MoE layers in a pipeline (experts split over each stage's data axis) and beside tensor-parallel layers,
+with and without ZeRO (experts partitioned over their expert-data-parallel group inside a stage).
 
 fp32 per-step losses equal a single-process run of the same layers with every expert local
 (``ep_size`` 1), relative 1e-5; the auxiliary loss travels with the activations (:mod:`microspeed_moe.pipe`).
@@ -88,9 +89,12 @@ CASES = [  # pp, tp, expert parallelism of the two MoE layers, MoE kwargs, extra
     (2, 1, (2, 2), {"k": 1}, {"zero_optimization": {"stage": 1}, "gradient_clipping": 0.2}),
     (1, 2, (2, 2), {"k": 1}, {"gradient_clipping": 0.2}),
     (1, 2, (2, 1), {"k": 2, "capacity_factor": 0.5}, {}),
+    (2, 1, (2, 2), {"k": 1}, {"zero_optimization": {"stage": 3}, "gradient_clipping": 0.2}),
+    (2, 1, (1, 2), {"k": 2, "drop_tokens": False}, {"zero_optimization": {"stage": 2}}),
+    (1, 2, (2, 2), {"k": 1}, {"zero_optimization": {"stage": 3}, "gradient_clipping": 0.2}),
 ]
 IDS = ["pp2xdp2-ep2", "pp2xdp2-ep1+ep2-top2-clip", "pp2xdp2-ep2-zero1-clip", "tp2xdp2-ep2-clip",
-       "tp2xdp2-ep2+ep1-top2-drop"]
+       "tp2xdp2-ep2+ep1-top2-drop", "pp2xdp2-ep2-zero3-clip", "pp2xdp2-ep1+ep2-top2-zero2", "tp2xdp2-ep2-zero3-clip"]
 
 
 def _train(pp: int, tp: int, eps: tuple[int, int], moe_kwargs: dict, extra: dict) -> list[float]:
@@ -120,7 +124,7 @@ def _all(cases: list) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("part", [slice(0, 3), slice(3, 5)], ids=["pipeline", "tensor-parallel"])
+@pytest.mark.parametrize("part", [slice(0, 3), slice(3, 5), slice(5, 8)], ids=["pipeline", "tensor-parallel", "zero"])
 def test_moe_in_a_grid_equals_one_process(part):
     cases, ids = CASES[part], IDS[part]
     results = run_distributed(_all, world_size=4, args=(cases,), timeout=300)
