@@ -244,3 +244,32 @@ def test_a_declared_refusal_is_what_initialize_raises(matrix, pair, model, confi
         with pytest.raises(ConfigError) as info:
             microspeed.initialize(model=model, config=config)
         assert refusal.message() in str(info.value)
+
+
+def _pld_in_a_pipeline() -> str | None:
+    """On each of 2 ranks: a 2-stage PipelineModule with progressive layer drop; the refusal's text, or None."""
+    from microspeed_pipeline.module import PipelineModule
+
+    torch.manual_seed(0)
+    model = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
+                           loss_fn=torch.nn.functional.mse_loss)
+    config = {"train_batch_size": 2, "steps_per_print": 10**6, "optimizer": ADAM,
+              "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001}}
+    try:
+        microspeed.initialize(model=model, config=config)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_pld_in_a_pipeline_is_refused_as_declared(matrix):
+    from microspeed.testing import run_distributed
+
+    refusal = matrix.status("pld", "pipeline-1f1b")
+    for message in run_distributed(_pld_in_a_pipeline, world_size=2, timeout=120):
+        if refusal is None:
+            assert message is None
+        else:
+            assert message is not None and refusal.message() in message
+            assert message.startswith("progressive_layer_drop.enabled with a pipeline of 2 stages (PipelineModule): ")
