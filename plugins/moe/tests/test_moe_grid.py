@@ -60,7 +60,7 @@ def config(extra: dict) -> dict:
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, **extra}
 
 
-def reference_losses(dp: int, clip: float = 0.0, **moe_kwargs) -> list[float]:
+def reference_losses(dp: int, clip: float = 0.0, steps: int = STEPS, **moe_kwargs) -> list[float]:
     """One process: the same layers seeded as ``seed_layers`` does, every expert local, all micro-batches."""
     from microspeed_moe.pipe import aux_loss
 
@@ -72,7 +72,7 @@ def reference_losses(dp: int, clip: float = 0.0, **moe_kwargs) -> list[float]:
     loss_fn = aux_loss(nn.functional.mse_loss)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     out = []
-    for step in range(STEPS):
+    for step in range(steps):
         loss = torch.stack([loss_fn(model(x), y) for x, y in micro_batches(step, dp * GAS)]).mean()
         opt.zero_grad()
         loss.backward()
@@ -97,7 +97,8 @@ IDS = ["pp2xdp2-ep2", "pp2xdp2-ep1+ep2-top2-clip", "pp2xdp2-ep2-zero1-clip", "tp
        "tp2xdp2-ep2+ep1-top2-drop", "pp2xdp2-ep2-zero3-clip", "pp2xdp2-ep1+ep2-top2-zero2", "tp2xdp2-ep2-zero3-clip"]
 
 
-def _train(pp: int, tp: int, eps: tuple[int, int], moe_kwargs: dict, extra: dict) -> list[float]:
+def _train(pp: int, tp: int, eps: tuple[int, int], moe_kwargs: dict, extra: dict, path: str | None = None,
+           save_after: int | None = None, resume: bool = False, steps: int = STEPS) -> dict:
     import torch.distributed as dist
     from microspeed_moe.pipe import aux_loss
     from microspeed_pipeline import PipelineModule, PipeModelDataParallelTopology
@@ -110,8 +111,15 @@ def _train(pp: int, tp: int, eps: tuple[int, int], moe_kwargs: dict, extra: dict
                            partition_method="uniform", seed_layers=True, base_seed=BASE_SEED)
     engine, *_ = microspeed.initialize(model=model, config=config(extra))
     d = engine.topology.data_parallel_rank
-    losses = [engine.train_batch(iter(micro_batches(step, dp * GAS)[d * GAS:(d + 1) * GAS])).item()
-              for step in range(STEPS)]
+    start = 0
+    if resume:
+        engine.load_checkpoint(path)
+        start = engine.global_steps
+    losses = []
+    for step in range(start, steps):
+        losses.append(engine.train_batch(iter(micro_batches(step, dp * GAS)[d * GAS:(d + 1) * GAS])).item())
+        if save_after is not None and step + 1 == save_after:
+            engine.save_checkpoint(path)
     group = engine.topology.data_parallel_group
     dp_ranks = sorted(dist.get_process_group_ranks(group)) if group is not None else list(range(dp))
     placed = [(m.ep_size, m.deepspeed_moe.experts.first, list(m.deepspeed_moe.experts.local_indices()))
@@ -138,3 +146,22 @@ def test_moe_in_a_grid_equals_one_process(part):
             position = got["dp_ranks"].index(rank)
             assert got["placed"] and all(first == (position % ep) * (EXPERTS // ep) and len(local) == EXPERTS // ep
                                          for ep, first, local in got["placed"]), (ids[i], rank, got)
+
+
+def _save_then_resume(path: str) -> list[list[float]]:
+    kwargs = {"k": 2, "drop_tokens": False}
+    first = _train(2, 1, (2, 2), kwargs, {"zero_optimization": {"stage": 3}}, path, save_after=2, steps=2)
+    resumes = [(1, 2, (1, 2), {"zero_optimization": {"stage": 1}}), (2, 1, (1, 1), {})]
+    return [first["losses"]] + [_train(pp, tp, eps, kwargs, extra, path, resume=True, steps=4)["losses"]
+                                for pp, tp, eps, extra in resumes]
+
+
+@pytest.mark.slow
+def test_checkpoint_of_a_pipeline_with_experts_loads_under_tensor_parallel_and_other_ep_sizes(tmp_path):
+    """Saved by pp2 x dp2 with ep_size 2 and ZeRO-3; resumed by tp2 x dp2 (ep_size 1 and 2, ZeRO-1) and by
+    pp2 x dp2 with every expert on every rank: the losses go on as one process's."""
+    expected = reference_losses(2, steps=4, k=2, drop_tokens=False)
+    for per_rank in run_distributed(_save_then_resume, world_size=4, args=(str(tmp_path),), timeout=300):
+        torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(expected[:2]), rtol=1e-5, atol=0)
+        for losses in per_rank[1:]:
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[2:]), rtol=1e-5, atol=0)
