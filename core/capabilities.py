@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,20 +53,20 @@ class GradientPartitioning(Capability):
     ``keeps_replica_groups``: parameters carrying a :class:`~microspeed.plugin_api.ReplicaGroup` are
     partitioned and reduced over their own group (so MoE experts stay apart). ``config_key``: the key
     that turns it on, and ``disable_hint``: how a user turns it off — for refusals that name them.
-    """
     ``sums_marked_gradients``: parameters carrying a :class:`~microspeed.plugin_api.GradientSum` (tied
     weights on several pipeline stages) have their reduced gradients summed over the marked group by
     this owner, so the plugin that marked them does not sum ``p.grad`` itself. ``honours_norm_rules``:
     its partitions are counted in the global norm with each parameter's
     :class:`~microspeed.plugin_api.NormRule` (copies another rank counts are skipped).
+    """
 
     stage: int
     keeps_replica_groups: bool
     config_key: str
     disable_hint: str
-
     sums_marked_gradients: bool = False
     honours_norm_rules: bool = False
+
 
 @dataclass(frozen=True)
 class LossScaling(Capability):
@@ -76,6 +77,29 @@ class LossScaling(Capability):
     dtype: Any
     scaler: Any
     accumulate_fp32: bool
+
+
+@dataclass(frozen=True)
+class GradientCompression(Capability):
+    """Error-feedback 1-bit compression of the gradient exchange, offered for the optimizers a plugin recognises.
+
+    A plugin that reduces gradients over partitions and steps the optimizer itself (ZeRO) asks
+    ``accepts(optimizer)`` about the client's optimizer; if true it builds the optimizer that steps its
+    partitions and hands it over once with ``attach(partition_optimizer)`` (which raises
+    :class:`~microspeed.plugin_api.ConfigError` when that optimizer cannot run on partitions). From then
+    on the partition optimizer takes gradients already averaged over the group and communicates nothing
+    itself; the callable ``attach`` returns says, before each reduction of the next step's gradients,
+    whether they may be averaged compressed (else exactly). The codec: ``compress(x, error, block)``
+    returns ``(bits, scales)`` (signs packed 8 to a byte, one fp32 scale per ``block`` values) and
+    replaces ``error`` in place by what the code dropped; ``decompress(bits, scales, block, out=...,
+    accumulate=...)`` decodes; ``block_size`` is the preferred block (a power of two, 64 to 8192).
+    """
+
+    accepts: Callable[[Any], bool]
+    attach: Callable[[Any], Callable[[], bool]]
+    compress: Callable[..., tuple[Any, Any]]
+    decompress: Callable[..., Any]
+    block_size: int
 
 
 C = TypeVar("C", bound=Capability)

@@ -11,7 +11,7 @@ What is here, by concern:
 * **config**: :class:`Section` / :class:`Field` and their validators, :class:`Config`,
   :func:`load_raw`, :func:`parse`;
 * **cooperation**: :class:`Role`, :class:`Capability` and the kinds plugins state
-  (:class:`GradientPartitioning`, :class:`LossScaling`), :class:`Capabilities`;
+  (:class:`GradientPartitioning`, :class:`GradientCompression`, :class:`LossScaling`), :class:`Capabilities`;
 * **compositions**: :class:`Feature` and :class:`Refusal` (hooks ``microspeed_features`` / ``microspeed_refusals``),
   :class:`Matrix`, :func:`composition_matrix` and :func:`refuse_pairs`;
 * **gradients**: :class:`ReplicaGroup` / :func:`replica_group` / :func:`reduced_over_data_parallel`,
@@ -32,12 +32,20 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from microspeed import comm
-from microspeed.capabilities import Capabilities, Capability, GradientPartitioning, LossScaling, Role
+from microspeed.capabilities import (
+    Capabilities,
+    Capability,
+    GradientCompression,
+    GradientPartitioning,
+    LossScaling,
+    Role,
+)
 from microspeed.compositions import Feature, Matrix, Refusal, composition_matrix, refuse_pairs
 from microspeed.config import Config, Field, Section, load_raw, non_negative, parse, positive
 from microspeed.engine import StepContext
 from microspeed.errors import ConfigError, EngineUsageError, PluginError
 from microspeed.gradients import (
+    GradientSum,
     NormRule,
     ReplicaGroup,
     clip_,
@@ -45,7 +53,7 @@ from microspeed.gradients import (
     reduced_over_data_parallel,
     replica_group,
     square_sum,
-    GradientSum,
+    summed_over,
 )
 from microspeed.hookspecs import StepOutcome, hookimpl
 from microspeed.log import get_logger
@@ -53,7 +61,6 @@ from microspeed.ops.backend import env_choice, kernel_backend
 from microspeed.topology import Topology
 
 if TYPE_CHECKING:
-    summed_over,
     from microspeed.checkpoint import CheckpointError, CheckpointWarning, Placement, flat_shard
     from microspeed.checkpoint.manifest import TensorRef
     from microspeed.checkpoint.manifest import split as split_tensor_refs
@@ -89,7 +96,9 @@ __all__ = [
     "EngineUsageError",
     "Feature",
     "Field",
+    "GradientCompression",
     "GradientPartitioning",
+    "GradientSum",
     "LossScaling",
     "Matrix",
     "NormRule",
@@ -98,7 +107,6 @@ __all__ = [
     "Refusal",
     "ReplicaGroup",
     "Role",
-    "GradientSum",
     "Section",
     "StepContext",
     "StepOutcome",
@@ -122,5 +130,5 @@ __all__ = [
     "replica_group",
     "split_tensor_refs",
     "square_sum",
-]
     "summed_over",
+]

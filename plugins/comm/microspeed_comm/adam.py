@@ -45,7 +45,7 @@ class OneBitAdam(OneBitOptimizer):
         del deepspeed
         check_number("freeze_step", freeze_step, 1, integer=True)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
-                    "weight_decay": weight_decay, "eps_inside_sqrt": bool(eps_inside_sqrt)}
+                    "weight_decay": weight_decay, "eps_inside_sqrt": bool(eps_inside_sqrt), "freeze_step": freeze_step}
         super().__init__(params, defaults, amsgrad=amsgrad, max_grad_norm=max_grad_norm, cuda_aware=cuda_aware,
                          comm_backend_name=comm_backend_name, group=group, block_size=block_size)
         self.freeze_step = freeze_step
@@ -66,7 +66,7 @@ class OneBitAdam(OneBitOptimizer):
         compressed: list[tuple[dict[str, Any], list]] = []
         for group in self.param_groups:
             b1, b2 = group["betas"]
-            params = group["params"]
+            params = self.stepped(group)
             for p in params:
                 self._init_state(p)
             live = not frozen or group.get("non_freeze", False)
@@ -97,5 +97,5 @@ class OneBitAdam(OneBitOptimizer):
         for group, ps, ms, vs, v_frozen in updates:
             if ps:
                 self._adam_update(group, ps, ms, vs, frozen=v_frozen)
-            for p in group["params"]:
+            for p in self.stepped(group):
                 self.state[p]["step"] += 1

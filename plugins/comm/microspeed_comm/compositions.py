@@ -22,12 +22,34 @@ FEATURES = (
 )
 """The ``comm`` plugin's features."""
 
-ONEBIT_WITH_ZERO = refuse_pairs(
-    ONEBIT, ("zero-1", "zero-2", "zero-3", "offload-cpu", "offload-nvme"),
-    reason="the 1-bit optimizers average whole momenta with a compressed all-reduce, while ZeRO keeps only a "
-           "partition of the optimizer state on each rank",
-    instead="set zero_optimization.stage to 0 to use a 1-bit optimizer, or use Adam with ZeRO")
-"""The 1-bit optimizers with ZeRO (any stage, hence its offload)."""
+ZERO_FEATURES = ("zero-1", "zero-2", "zero-3", "offload-cpu")
+"""The ZeRO features a 1-bit optimizer steps through: ZeRO takes the comm plugin's compressed reduce-scatter
+(the GradientCompression capability) and steps the same optimizer on its partitions."""
+
+LAMB_WITH_ZERO = refuse_pairs(
+    ("onebit-lamb",), ZERO_FEATURES + ("offload-nvme",),
+    reason="1-bit LAMB scales each parameter's update by a trust ratio ||w||/||update|| and a compression-stage "
+           "factor max(frozen/fresh denominator) that are functions of the whole parameter, while ZeRO steps flat "
+           "slices that cut parameters apart, so the ratios of the slices are not the parameter's",
+    instead="use OneBitAdam or ZeroOneAdam with ZeRO, or OneBitLamb with zero_optimization.stage 0")
+"""1-bit LAMB with ZeRO."""
+
+LOCAL_STEPS_WITH_ZERO = refuse_pairs(
+    ("zero-one-adam",), ZERO_FEATURES,
+    reason="0/1 Adam's local steps update every parameter from the rank's own momentum and frozen variance, while "
+           "ZeRO keeps only this rank's slice of them",
+    instead="set optimizer.params.local_step_clipper to 1 (one compressed gradient exchange per step after "
+            "var_freeze_step), or use zero_optimization.stage 0 for local steps",
+    when="optimizer.params.local_step_clipper > 1 (the default is 16)")
+"""0/1 Adam's local steps with ZeRO (0/1 Adam with ``local_step_clipper`` 1 runs with ZeRO)."""
+
+ADAM_STATE_ON_NVME = refuse_pairs(
+    ("onebit-adam", "zero-one-adam"), ("offload-nvme",),
+    reason="ZeRO's NVMe-offloaded step streams the masters, exp_avg and exp_avg_sq through a few buffers and runs "
+           "Adam on them, not another optimizer's update",
+    instead="use offload_optimizer.device 'cpu' (with \"zero_force_ds_cpu_optimizer\": false) or 'none' for a "
+            "1-bit optimizer")
+"""The 1-bit Adams with NVMe offload (raised by ZeRO's swapper, which runs only Adam/AdamW)."""
 
 ONEBIT_WITH_MOE = refuse_pairs(
     ONEBIT, ("moe",),
@@ -36,5 +58,5 @@ ONEBIT_WITH_MOE = refuse_pairs(
     instead="use Adam (with ZeRO stage 1 or 2 if you like) for a model with MoE layers")
 """The 1-bit optimizers with MoE layers."""
 
-REFUSALS = ONEBIT_WITH_ZERO + ONEBIT_WITH_MOE
+REFUSALS = LAMB_WITH_ZERO + LOCAL_STEPS_WITH_ZERO + ADAM_STATE_ON_NVME + ONEBIT_WITH_MOE
 """Everything the ``comm`` plugin refuses."""

@@ -91,6 +91,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._compressors: dict[str, CompressedAllReduce] = {}
         self._pending_errors: dict[str, dict[str, Any]] = {}
         self._frozen_denoms: dict[torch.Tensor, torch.Tensor] = {}
+        self.partitioned = False
 
     # -- group and phase ---------------------------------------------------------------------
 
@@ -104,12 +105,37 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Ranks in the optimizer's group (1 without ``torch.distributed``)."""
         return comm.get_world_size(self.group)
 
+    def set_partitioned(self) -> None:
+        """Step a partition whose gradients arrive averaged over the group (ZeRO), communicating nothing.
+
+        The gradient reducer that owns the exchange (ZeRO's reduce-scatter: exact, or compressed with
+        error feedback when :meth:`full_precision_gradients_next` is false) delivers this rank's slice of
+        the average; the momentum partition folds it in as the unpartitioned optimizer folds its averaged
+        momentum. Only parameters holding a gradient are stepped (ZeRO may step its partitions segment by
+        segment, calling :meth:`step` several times per training step), and the phase is read from them.
+        """
+        self.partitioned = True
+        self.reset_errors()
+
+    def stepped(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        """The parameters of ``group`` this ``step()`` updates: all, or those with a gradient when partitioned."""
+        if self.partitioned:
+            return [p for p in group["params"] if p.grad is not None]
+        return list(group["params"])
+
     def global_step(self) -> int:
-        """Steps taken so far (the first parameter's ``step``; all advance together)."""
+        """Steps taken so far (the first parameter's ``step``; all advance together).
+
+        Partitioned, the first parameter holding a gradient is asked (inside a segment-by-segment step the
+        parameters of segments already stepped are one ahead).
+        """
+        first = None
         for group in self.param_groups:
             for p in group["params"]:
-                return int(self.state[p].get("step", 0)) if p in self.state else 0
-        return 0
+                if not self.partitioned or p.grad is not None:
+                    return int(self.state[p].get("step", 0)) if p in self.state else 0
+                first = p if first is None else first
+        return int(self.state[first].get("step", 0)) if first is not None and first in self.state else 0
 
     def full_precision_gradients_next(self) -> bool:
         """Whether the next ``step()`` expects gradients already averaged at full precision."""
@@ -133,13 +159,15 @@ class OneBitOptimizer(torch.optim.Optimizer):
         return c
 
     def compressed_average_(self, key: str, tensors: list[torch.Tensor]) -> None:
-        """Replace ``tensors`` by their compressed average over the group (identity on one rank)."""
-        if tensors and self.world_size > 1:
+        """Replace ``tensors`` by their compressed average over the group (identity on one rank, or partitioned:
+        the gradients were averaged by the reducer, so what is folded from them is already the average)."""
+        if tensors and not self.partitioned and self.world_size > 1:
             self.compressor(key, tensors).average_(tensors)
 
     def average_(self, tensors: list[torch.Tensor]) -> None:
-        """Replace ``tensors`` by their full-precision average over the group (one flat all-reduce)."""
-        if not tensors or self.world_size == 1:
+        """Replace ``tensors`` by their full-precision average over the group (one flat all-reduce; none when
+        partitioned)."""
+        if not tensors or self.partitioned or self.world_size == 1:
             return
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         comm.all_reduce(flat, group=self.group)

@@ -16,10 +16,16 @@ DeepSpeed matches them), or when the client passes one of those optimizers to ``
   they are saved per rank (``plugins/comm/rank<r>/...``) and restored when the checkpoint is loaded
   by the same rank of the same world size, else they start from zero (DeepSpeed always resets them).
   Before a save, 0/1 Adam synchronises pending local steps, so the checkpoint holds one model.
-* **ZeRO.** Refused at ``initialize()``: a plugin stating
-  :class:`~microspeed.plugin_api.GradientPartitioning` (ZeRO) partitions the optimizer state that the
-  1-bit optimizers exchange whole (DeepSpeed refuses the combination too); the refusal names the key
-  that turned partitioning on, as the capability states it.
+* **ZeRO.** The plugin states :class:`~microspeed.plugin_api.GradientCompression`: a plugin that
+  partitions gradients and steps the optimizer itself (ZeRO stages 1 and 2) asks it whether it serves
+  the client's optimizer, builds its partition optimizer (the same 1-bit class over this rank's flat
+  slices) and attaches it here. That optimizer then takes this rank's slice of the averaged gradient
+  and communicates nothing; the partitioner averages the gradients exactly while
+  ``full_precision_gradients_next()`` is true (the warm-up, 0/1 Adam's variance steps) and with its
+  error-feedback 1-bit reduce-scatter otherwise. Refused with a partitioning, with the reason: 1-bit
+  LAMB (its trust ratios are functions of whole parameters), 0/1 Adam with local steps
+  (``local_step_clipper`` > 1: a local step updates every parameter from that rank's own momentum),
+  and any partitioner that does not attach (it would split what the optimizer exchanges whole).
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import torch
 
 from microspeed.plugin_api import (
     Capabilities,
+    Capability,
     ConfigError,
     Feature,
+    GradientCompression,
     GradientPartitioning,
     Refusal,
     Role,
@@ -43,8 +51,10 @@ from microspeed.plugin_api import (
     hookimpl,
     reduced_over_data_parallel,
 )
+from microspeed_comm import bitpack
 from microspeed_comm.adam import OneBitAdam
-from microspeed_comm.compositions import FEATURES, ONEBIT_WITH_MOE, ONEBIT_WITH_ZERO, REFUSALS
+from microspeed_comm.compositions import FEATURES, LAMB_WITH_ZERO, LOCAL_STEPS_WITH_ZERO, ONEBIT_WITH_MOE, REFUSALS
+from microspeed_comm.compressed import DEFAULT_BLOCK_SIZE
 from microspeed_comm.lamb import OneBitLamb
 from microspeed_comm.onebit import OneBitOptimizer
 from microspeed_comm.zero_one_adam import ZeroOneAdam
@@ -127,9 +137,23 @@ def check_params(cls: type[OneBitOptimizer], params: dict[str, Any]) -> dict[str
 
 
 def _partitioning_reason(name: str, part: GradientPartitioning) -> str:
-    """Why the 1-bit optimizer ``name`` cannot run with the gradient partitioning ``part``, and the fix."""
-    return (f"{name} with {part.config_key}={part.stage} (gradient partitioning): {ONEBIT_WITH_ZERO[0].message()} "
-            f"({part.disable_hint} to use {name})")
+    """Why the 1-bit optimizer ``name`` cannot run with a partitioner that did not attach it, and the fix."""
+    return (f"{name} averages whole momenta with a compressed all-reduce, while {part.config_key}={part.stage} "
+            f"partitions optimizer state across ranks and its provider does not take the compressed gradient "
+            f"exchange (GradientCompression) that lets {name} step partitions; {part.disable_hint} to use "
+            f"{name}, or use Adam with partitioning")
+
+
+def partition_refusal(opt: OneBitOptimizer | type[OneBitOptimizer], clipper: int | None = None) -> str | None:
+    """Why ``opt`` (an optimizer or its class) cannot step partitions (a declared refusal's message), or None."""
+    cls = opt if isinstance(opt, type) else type(opt)
+    if issubclass(cls, OneBitLamb):
+        return LAMB_WITH_ZERO[0].message()
+    if issubclass(cls, ZeroOneAdam):
+        clipper = opt.local_step_clipper if clipper is None else clipper
+        if clipper > 1:
+            return LOCAL_STEPS_WITH_ZERO[0].message()
+    return None
 
 
 class CommPlugin:
@@ -141,6 +165,7 @@ class CommPlugin:
         self.optimizer: OneBitOptimizer | None = None
         self.engine: Any = None
         self.compressing = False
+        self.partitioned = False
         self.log = None
 
     # -- set-up --------------------------------------------------------------------------------
@@ -160,12 +185,54 @@ class CommPlugin:
                               stacklevel=2)
 
     @hookimpl
+    def microspeed_capabilities(self) -> list[Capability]:
+        """The compressed gradient exchange a partitioner (ZeRO) may use for the 1-bit optimizers."""
+        return [GradientCompression(accepts=self._accepts, attach=self._attach, compress=bitpack.compress,
+                                    decompress=bitpack.decompress, block_size=DEFAULT_BLOCK_SIZE)]
+
+    @hookimpl
     def microspeed_conflicts(self, capabilities: Capabilities) -> list[tuple[str, str]] | None:
-        """Gradient partitioning (ZeRO) splits what the 1-bit optimizers exchange whole: refuse it."""
+        """With a gradient partitioning: refuse 1-bit LAMB and 0/1 Adam's local steps (:func:`partition_refusal`)."""
         part = capabilities.get(GradientPartitioning)
-        if self.cls is not None and part is not None:
-            return [(part.config_key, _partitioning_reason(self.cls.__name__, part))]
-        return None
+        if self.cls is None or part is None:
+            return None
+        clipper = self.params.get("local_step_clipper",
+                                  inspect.signature(ZeroOneAdam.__init__).parameters["local_step_clipper"].default)
+        why = partition_refusal(self.cls, clipper)
+        if why is None:
+            return None
+        return [("optimizer.type", f"{self.cls.__name__} with {part.config_key}={part.stage}: {why}")]
+
+    # -- the partitioner's side of GradientCompression -----------------------------------------
+
+    def _accepts(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` is one of ours (the partitioner then attaches its partition optimizer)."""
+        return isinstance(optimizer, OneBitOptimizer)
+
+    def _attach(self, optimizer: Any) -> Any:
+        """Adopt ``optimizer``, the partitioner's copy over this rank's slices; return "compress the next step?"."""
+        name = type(optimizer).__name__
+        why = partition_refusal(optimizer)
+        if why is not None:
+            raise ConfigError(f"{name}: cannot step a gradient partitioning: {why}")
+        for i, group in enumerate(optimizer.param_groups):
+            for key in ("non_freeze", "exp_avg_mask"):
+                if group.get(key) is not None and group.get(key) is not False:
+                    raise ConfigError(f"{name}: param group {i} sets {key!r}, which applies to whole parameters "
+                                      f"(full-precision groups, momentum masks shaped like the parameter), while "
+                                      f"a gradient partitioning steps flat slices; drop {key!r} or use "
+                                      f"zero_optimization.stage 0.")
+        self._refuse_held_apart(name)
+        optimizer.set_partitioned()
+        self.optimizer, self.partitioned = optimizer, True
+        self.log = get_logger("microspeed.comm")
+        return lambda: not optimizer.full_precision_gradients_next()
+
+    def _refuse_held_apart(self, name: str) -> None:
+        held_apart = [n for n, p in self.engine.module.named_parameters() if not reduced_over_data_parallel(p)]
+        if held_apart:
+            raise ConfigError(f"{name}: parameters such as {held_apart[0]!r} are held by only some "
+                              f"data-parallel ranks (MoE experts): {ONEBIT_WITH_MOE[0].message()}.")
 
     @hookimpl
     def microspeed_setup(self, engine) -> None:
@@ -183,10 +250,12 @@ class CommPlugin:
     @hookimpl(trylast=True)
     def microspeed_wrap_optimizer(self, engine, optimizer: Any) -> None:
         """Adopt the final optimizer if it is a 1-bit one (built here, or passed by the client)."""
-        if not isinstance(optimizer, OneBitOptimizer):
-            return None
-        name = type(optimizer).__name__
         part = engine.capabilities.get(GradientPartitioning)
+        if self.partitioned:  # the partitioner attached its partition optimizer: it reduces and steps
+            return None
+        if not isinstance(optimizer, OneBitOptimizer) and (self.cls is None or part is None):
+            return None
+        name = type(optimizer).__name__ if isinstance(optimizer, OneBitOptimizer) else self.cls.__name__
         if part is not None:
             raise ConfigError(f"{part.config_key}: cannot be combined with {name} (the plugin 'comm'): "
                               f"{_partitioning_reason(name, part)}")
@@ -196,10 +265,7 @@ class CommPlugin:
             raise ConfigError(f"{name}: the plugin {other!r} steps the optimizer or reduces gradients itself; the "
                               f"1-bit optimizers need the whole momentum on every rank and do both: turn that "
                               f"plugin's feature off, or use another optimizer.")
-        held_apart = [n for n, p in engine.module.named_parameters() if not reduced_over_data_parallel(p)]
-        if held_apart:
-            raise ConfigError(f"{type(optimizer).__name__}: parameters such as {held_apart[0]!r} are held by only some "
-                              f"data-parallel ranks (MoE experts): {ONEBIT_WITH_MOE[0].message()}.")
+        self._refuse_held_apart(name)
         optimizer.set_process_group(engine.topology.data_parallel_group)
         self.optimizer = optimizer
         self.log = get_logger("microspeed.comm")
@@ -211,7 +277,7 @@ class CommPlugin:
     def _sync_role(self, engine) -> None:
         """Claim gradient reduction when the next step wants local gradients; release it otherwise."""
         opt = self.optimizer
-        if opt is None:
+        if opt is None or self.partitioned:  # the partitioner reduces (exactly or compressed, as opt says)
             return
         compress = not opt.full_precision_gradients_next() and opt.world_size > 1
         if compress == self.compressing:

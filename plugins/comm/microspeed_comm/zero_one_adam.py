@@ -67,7 +67,9 @@ class ZeroOneAdam(OneBitOptimizer):
         check_number("local_step_scaler", local_step_scaler, 1, integer=True)
         check_number("local_step_clipper", local_step_clipper, 1, integer=True)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
-                    "weight_decay": weight_decay, "eps_inside_sqrt": bool(eps_inside_sqrt)}
+                    "weight_decay": weight_decay, "eps_inside_sqrt": bool(eps_inside_sqrt),
+                    "var_freeze_step": var_freeze_step, "var_update_scaler": var_update_scaler,
+                    "local_step_scaler": local_step_scaler, "local_step_clipper": local_step_clipper}
         super().__init__(params, defaults, amsgrad=amsgrad, max_grad_norm=max_grad_norm, cuda_aware=cuda_aware,
                          comm_backend_name=comm_backend_name, group=group, block_size=block_size)
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
@@ -76,22 +78,27 @@ class ZeroOneAdam(OneBitOptimizer):
 
     # -- the schedule (kept in every parameter's state, as DeepSpeed does) --------------------
 
-    def _schedule(self) -> dict[str, Any]:
-        """The counters (the same in every parameter's state) and ``lrs``, the sum of each group's lr."""
+    def _schedule(self, params: list[list[torch.Tensor]] | None = None) -> dict[str, Any]:
+        """The counters (the same in every parameter's state) and ``lrs``, the sum of each group's lr.
+
+        Read from the first of each group's ``params`` (default: all of the group's parameters).
+        """
+        params = [g["params"] for g in self.param_groups] if params is None else params
         sched: dict[str, Any] = {"var_interval": 1, "var_counter": 0, "local_step_interval": 1,
                                  "local_step_counter": 0}
         lrs = []
-        for group in self.param_groups:
-            st = self.state.get(group["params"][0], {}) if group["params"] else {}
+        for ps in params:
+            st = self.state.get(ps[0], {}) if ps else {}
             if "var_interval" in st:
                 sched.update({k: st[k] for k in _SCHEDULE if k != "lrs"})
             lrs.append(float(st.get("lrs", 0.0)))
         sched["lrs"] = lrs
         return sched
 
-    def _store_schedule(self, sched: dict[str, Any]) -> None:
-        for group, lrs in zip(self.param_groups, sched["lrs"], strict=True):
-            for p in group["params"]:
+    def _store_schedule(self, sched: dict[str, Any], params: list[list[torch.Tensor]] | None = None) -> None:
+        params = [g["params"] for g in self.param_groups] if params is None else params
+        for ps, lrs in zip(params, sched["lrs"], strict=True):
+            for p in ps:
                 self.state[p].update({k: sched[k] for k in _SCHEDULE if k != "lrs"}, lrs=lrs)
 
     def frozen_at(self, step: int) -> bool:
@@ -107,12 +114,12 @@ class ZeroOneAdam(OneBitOptimizer):
 
     def _step(self) -> None:
         """One 0/1 Adam step (see the module docstring for the two phases)."""
-        sched = self._schedule()
+        stepped = [self.stepped(group) for group in self.param_groups]
+        sched = self._schedule(stepped)
         t = self.global_step() + 1
         frozen = self.frozen_at(t)
         groups = []
-        for group in self.param_groups:
-            ps = list(group["params"])
+        for group, ps in zip(self.param_groups, stepped, strict=True):
             for p in ps:
                 self._init_state(p)
             groups.append((group, ps, [self._grad_or_zeros(p) for p in ps], [self.state[p]["exp_avg"] for p in ps],
@@ -136,6 +143,10 @@ class ZeroOneAdam(OneBitOptimizer):
                 if sched["var_counter"] == self.var_update_scaler:
                     sched["var_counter"] = 0
                     sched["var_interval"] *= 2
+        elif self.partitioned:  # one synchronisation per step (local_step_clipper 1): the averaged gradient
+            for group, ps, grads, ms, vs in groups:
+                torch._foreach_lerp_(ms, grads, 1 - group["betas"][0])
+                self._adam_update(group, ps, ms, vs, frozen=True)
         else:
             if not self._anchor:  # entering the phase, or after a load: the replicas agree now
                 self._anchor = {p: p.detach().clone() for _, ps, *_ in groups for p in ps}
@@ -153,7 +164,7 @@ class ZeroOneAdam(OneBitOptimizer):
         for _, ps, *_ in groups:
             for p in ps:
                 self.state[p]["step"] += 1
-        self._store_schedule(sched)
+        self._store_schedule(sched, stepped)
 
     def _synchronize(self, groups: list, sched: dict[str, Any]) -> None:
         """Average the updates since the last synchronisation (1-bit) and restart from the anchor."""

@@ -1,4 +1,5 @@
-"""The 1-bit optimizers ask for gradient partitioning by its type, and name the key its provider states."""
+"""The 1-bit optimizers ask for gradient partitioning by its type; a partitioner that does not take their compressed
+exchange is refused naming the key its provider states."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ ONEBIT = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}
 
 
 def test_any_partitioner_is_refused_naming_its_own_key_and_fix():
-    with pytest.raises(microspeed.ConfigError, match=r"^partitioner\.stage: cannot be combined with the plugin "
-                                                     r"'comm': OneBitAdam .*partitioner\.stage=2 .*set "
-                                                     r"partitioner\.stage to 0 to use OneBitAdam"):
+    with pytest.raises(microspeed.ConfigError, match=r"^partitioner\.stage: cannot be combined with OneBitAdam \(the "
+                                                     r"plugin 'comm'\): .*partitioner\.stage=2 .*does not take the "
+                                                     r"compressed gradient exchange .*set partitioner\.stage to 0 to "
+                                                     r"use OneBitAdam"):
         microspeed.initialize(model=_mlp(), config=_config(optimizer=ONEBIT, partitioner={"stage": 2}),
                               plugins=[("partitioner", Partitioner())])
 
@@ -61,9 +63,9 @@ def test_without_partitioning_the_onebit_optimizer_is_adopted():
     assert type(engine.optimizer).__name__ == "OneBitAdam" and engine.plugin_state("comm").optimizer is not None
 
 
-def test_zero_refusal_still_names_zero_optimization_stage_and_the_fix():
+def test_zero_takes_the_compressed_exchange_instead_of_refusing():
+    """ZeRO attaches its partition optimizer (training with it: test_onebit_zero.py)."""
     pytest.importorskip("microspeed_zero")
-    with pytest.raises(microspeed.ConfigError, match=r"^zero_optimization\.stage: cannot be combined with the plugin "
-                                                     r"'comm': OneBitAdam .*zero_optimization\.stage=1 .*set "
-                                                     r"zero_optimization\.stage to 0 to use OneBitAdam"):
-        microspeed.initialize(model=_mlp(), config=_config(optimizer=ONEBIT, zero_optimization={"stage": 1}))
+    engine, *_ = microspeed.initialize(model=_mlp(), config=_config(optimizer=ONEBIT, zero_optimization={"stage": 1}))
+    assert engine.capabilities.get(GradientPartitioning).stage == 1
+    assert engine.plugin_state("comm").partitioned and type(engine.optimizer).__name__ == "ZeroOptimizer"

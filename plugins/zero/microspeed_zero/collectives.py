@@ -6,10 +6,15 @@ peer (``batch_isend_irecv``) took 124 ms (4 ranks: 682 vs 236 ms), and ``reduce_
 took about twice an all-reduce. So on gloo a segment is gathered with point-to-point sends into
 the flat buffer's slices, and reduced with ``all_to_all_single`` (each rank receives every rank's
 copy of its own slice) followed by a local sum. NCCL keeps its native collectives.
+
+With a :class:`~microspeed.plugin_api.GradientCompression` attached (the 1-bit optimizers),
+:class:`CompressedPartitionedReduce` replaces the exact reduction of the steps the optimizer marks
+compressible by an error-feedback 1-bit reduce-scatter (:func:`partitioned_reduce` picks it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,8 +97,8 @@ class PartitionedReduce:
         """Whether :meth:`start` needs an output buffer."""
         return self.mode != "all_reduce"
 
-    def start(self, wire: torch.Tensor, out: torch.Tensor | None) -> Any:
-        """Launch the reduction of ``wire`` asynchronously."""
+    def start(self, wire: torch.Tensor, out: torch.Tensor | None, key: Any = None) -> Any:
+        """Launch the reduction of ``wire`` asynchronously (``key``: which segment; unused here)."""
         if self.mode == "all_to_all":
             return comm.all_to_all_single(out, wire, group=self.group, async_op=True)
         if self.mode == "reduce_scatter":
@@ -109,3 +114,136 @@ class PartitionedReduce:
             return [out[:shard]]
         start = self.rank * shard
         return [wire[start:min(start + shard, wire.numel())]]
+
+
+class CompressedPartitionedReduce:
+    """:class:`PartitionedReduce` whose exchange is 1-bit with error feedback on the steps the optimizer allows.
+
+    ``compressed_next()`` (from :meth:`GradientCompression.attach`) is asked at every launch: false, the
+    exact collective runs; true, each rank adds its *sender error* for the segment to the wire, cuts it
+    into the ``world`` chunks of the partition and lays every parameter's piece of a chunk out from a
+    block boundary (so that no scale mixes two parameters' magnitudes, as DeepSpeed's per-tensor
+    scales), compresses the chunks to signs plus one fp32 scale per block (the capability's codec) and
+    keeps what the code dropped as its new error; one ``all_to_all_single`` brings rank ``r`` every
+    rank's code of chunk ``r``, which it decodes and sums. The receiver uses the sum at full precision
+    (nothing is compressed again, so it keeps no error). Per call, ``sum_r decode_r = sum_r (x_r + e_r -
+    e'_r)``: what one call drops is sent with the next, so the partition gradients summed over steps
+    equal the exact ones up to the bounded error buffers. The errors (fp32, one whole padded gradient
+    per segment on every rank) are kept across steps and micro-steps; they are not checkpointed (a
+    loaded run starts from zero errors, as DeepSpeed's 1-bit optimizers do).
+    """
+
+    def __init__(self, exact: PartitionedReduce, compression: Any, compressed_next: Callable[[], bool]) -> None:
+        self.exact, self.codec, self.compressed_next = exact, compression, compressed_next
+        self.group, self.world, self.rank = exact.group, exact.world, exact.rank
+        self.errors: dict[Any, torch.Tensor] = {}
+        self.layouts: dict[Any, _Layout] = {}
+        self.in_flight: dict[int, tuple[torch.Tensor, _Layout]] = {}
+        self.last_wire_bytes = 0
+
+    def compressing(self) -> bool:
+        """Whether the reductions of this step are compressed (asked again at every launch)."""
+        return self.world > 1 and bool(self.compressed_next())
+
+    @property
+    def needs_out(self) -> bool:
+        """Whether :meth:`start` needs an output buffer (compressed: yes, the reducer then sums :meth:`rows`)."""
+        return self.exact.needs_out or self.compressing()
+
+    def layout(self, segment: Any, numel: int) -> _Layout:
+        """Where each value of a wire of ``numel`` values goes in the compressed chunks (built once per segment)."""
+        key = getattr(segment, "index", segment)
+        lay = self.layouts.get(key)
+        if lay is None or lay.numel != numel:
+            lay = self.layouts[key] = _Layout(segment, numel, self.world, self.rank, self.codec.block_size)
+        return lay
+
+    def start(self, wire: torch.Tensor, out: torch.Tensor | None, key: Any = None) -> Any:
+        """Launch the reduction of ``wire`` (``world`` equal chunks); ``key`` is the segment (its error, its layout)."""
+        if not self.compressing():
+            return self.exact.start(wire, out)
+        lay = self.layout(key, wire.numel())
+        x = torch.zeros(self.world * lay.chunk, dtype=torch.float32, device=wire.device)
+        x.index_copy_(0, lay.dst.to(wire.device), wire.reshape(-1)[lay.src.to(wire.device)].float())
+        name = getattr(key, "index", key)
+        error = self.errors.get(name)
+        if error is None or error.numel() != x.numel():
+            error = self.errors[name] = torch.zeros_like(x)
+        bits, scales = self.codec.compress(x, error, lay.block)
+        error.index_fill_(0, lay.pad.to(wire.device), 0.0)  # the padding carries no error
+        nbits = lay.chunk // 8
+        send = torch.empty(self.world, nbits + 4 * (lay.chunk // lay.block), dtype=torch.uint8, device=wire.device)
+        send[:, :nbits].copy_(bits.view(self.world, nbits))
+        send[:, nbits:].copy_(scales.view(self.world, -1).contiguous().view(torch.uint8))
+        recv = torch.empty_like(send)
+        before = comm.stats.total_wire_bytes()
+        work = comm.all_to_all_single(recv, send, group=self.group, async_op=True)
+        self.last_wire_bytes = comm.stats.total_wire_bytes() - before
+        self.in_flight[wire.data_ptr()] = (recv, lay)
+        return work
+
+    def rows(self, wire: torch.Tensor, out: torch.Tensor | None, shard: int) -> list[torch.Tensor]:
+        """After the wait: this rank's slice of the sum (one row: every rank's decoded chunk added up)."""
+        ctx = self.in_flight.pop(wire.data_ptr(), None)
+        if ctx is None:
+            return self.exact.rows(wire, out, shard)
+        recv, lay = ctx
+        nbits = lay.chunk // 8
+        total = torch.zeros(lay.chunk, dtype=torch.float32, device=recv.device)
+        for q in range(self.world):
+            scales = recv[q, nbits:].contiguous().view(torch.float32)
+            self.codec.decompress(recv[q, :nbits].contiguous(), scales, lay.block, out=total, accumulate=True)
+        mine = torch.zeros(shard, dtype=torch.float32, device=recv.device)
+        mine.index_copy_(0, lay.mine_local.to(recv.device), total[lay.mine_pos.to(recv.device)])
+        return [mine]
+
+
+class _Layout:
+    """The compressed layout of one segment's wire: every parameter's piece of a chunk from a block boundary.
+
+    ``src``/``dst``: wire positions and their places in the ``world`` rows of ``chunk`` values; ``pad``: the
+    places no value lands in; ``mine_pos``/``mine_local``: this rank's row places and their positions in its
+    slice. A ``segment`` without ``offsets``/``numels`` counts as one parameter.
+    """
+
+    def __init__(self, segment: Any, numel: int, world: int, rank: int, max_block: int) -> None:
+        shard = numel // world
+        if shard * world != numel:
+            raise ValueError(f"compressed reduce-scatter: {numel} values do not split into {world} chunks")
+        spans = list(zip(getattr(segment, "offsets", [0]), getattr(segment, "numels", [numel]), strict=True))
+        rows = [[(max(o, q * shard), min(o + n, (q + 1) * shard)) for o, n in spans
+                 if max(o, q * shard) < min(o + n, (q + 1) * shard)] for q in range(world)]
+        smallest = min((hi - lo for row in rows for lo, hi in row), default=64)
+        self.block = min(max_block, max(64, 1 << (max(smallest, 1).bit_length() - 1)))
+        blk = self.block
+        lengths = [sum(-(-(hi - lo) // blk) * blk for lo, hi in row) for row in rows]
+        self.chunk = max(max(lengths), blk)
+        self.numel = numel
+        src, dst = [], []
+        for q, row in enumerate(rows):
+            pos = q * self.chunk
+            for lo, hi in row:
+                src.append(torch.arange(lo, hi))
+                dst.append(torch.arange(pos, pos + hi - lo))
+                pos += -(-(hi - lo) // blk) * blk
+        self.src = torch.cat(src) if src else torch.zeros(0, dtype=torch.long)
+        self.dst = torch.cat(dst) if dst else torch.zeros(0, dtype=torch.long)
+        used = torch.zeros(world * self.chunk, dtype=torch.bool)
+        used[self.dst] = True
+        self.pad = (~used).nonzero().view(-1)
+        in_mine = (self.dst >= rank * self.chunk) & (self.dst < (rank + 1) * self.chunk)
+        self.mine_pos = self.dst[in_mine] - rank * self.chunk
+        self.mine_local = self.src[in_mine] - rank * shard
+
+
+def partitioned_reduce(group: Any, world: int, rank: int, reduce_scatter: bool,
+                       compression: tuple[Any, Callable[[], bool]] | None = None
+                       ) -> PartitionedReduce | CompressedPartitionedReduce:
+    """The reduction of one group: exact, or compressed on the steps ``compression`` allows.
+
+    ``compression``: ``(GradientCompression, compressed_next)`` from the capability's ``attach``, or ``None``.
+    """
+    exact = PartitionedReduce(group, world, rank, reduce_scatter)
+    if compression is None:
+        return exact
+    return CompressedPartitionedReduce(exact, *compression)

@@ -22,6 +22,7 @@ from microspeed.plugin_api import (
     EngineUsageError,
     Feature,
     Field,
+    GradientCompression,
     GradientPartitioning,
     Role,
     StepOutcome,
@@ -98,7 +99,9 @@ class ZeroPlugin:
         """Replace the optimizer by a :class:`ZeroOptimizer` over this rank's partitions."""
         if not self._active():
             return None
-        check_partitionable(optimizer, self.config["zero_allow_untested_optimizer"])
+        codec = engine.capabilities.get(GradientCompression)  # its provider makes the optimizer step partitions
+        check_partitionable(optimizer, self.config["zero_allow_untested_optimizer"] or bool(codec and codec.accepts(
+            optimizer)))
         if (self.cfg.offload_optimizer != "none" and self.config["zero_force_ds_cpu_optimizer"]
                 and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):
             raise ConfigError(f"zero_optimization.offload_optimizer with the optimizer {type(optimizer).__name__}: "

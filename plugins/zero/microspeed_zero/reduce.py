@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from microspeed_zero.collectives import PartitionedReduce
+from microspeed_zero.collectives import PartitionedReduce, partitioned_reduce
 from microspeed_zero.partition import Segment
 
 MAX_IN_FLIGHT = 2
@@ -61,7 +61,7 @@ class GradientReducer:
 
     def __init__(self, segments: list[Segment], stage: int, scaling: Scaling,
                  accumulators: dict[int, torch.Tensor], wire_dtype: torch.dtype | None, reduce_scatter: bool,
-                 contiguous: bool) -> None:
+                 contiguous: bool, compression: Any = None) -> None:
         self.segments, self.stage, self.scaling = segments, stage, scaling
         self.acc = accumulators  # segment index -> stage 1: whole flat gradient; stage 2/3: this rank's slice
         self.wire_dtype = wire_dtype
@@ -70,7 +70,8 @@ class GradientReducer:
         self.collectives: dict[int, PartitionedReduce] = {}
         for seg in segments:
             if id(seg.group) not in self.collectives:
-                self.collectives[id(seg.group)] = PartitionedReduce(seg.group, seg.world, seg.rank, reduce_scatter)
+                self.collectives[id(seg.group)] = partitioned_reduce(seg.group, seg.world, seg.rank, reduce_scatter,
+                                                                     compression)  # 1-bit: GradientCompression
         self.pool = BufferPool()
         self.ready: dict[int, int] = {}
         self.launched: set[int] = set()
@@ -107,7 +108,7 @@ class GradientReducer:
             wire.mul_(self.scaling.pre)
         collective = self.collectives[id(seg.group)]
         out = self.pool.get(wire.numel(), wire.dtype, wire.device) if collective.needs_out else None
-        work = collective.start(wire, out)
+        work = collective.start(wire, out, seg)
         self.pending.append((seg, (wire, out, pooled), work))
 
     def _stage(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor | None]:
