@@ -45,38 +45,59 @@ def reference_losses(steps: int = STEPS, clip: float = 0.0) -> list[float]:
     return out
 
 
-def train(pp: int, tp: int, zero: int = 0, bf16: bool = False, clip: float = 0.0, load: str | None = None,
-          save: str | None = None, steps: int = STEPS, save_at: int = SAVE_AT) -> list[float]:
-    """One rank of a pp × tp × dp run: resume from ``load`` if given, train to ``steps``, save at ``save_at``.
-
-    Returns the losses of the steps it ran.
-    """
+def _engine(pp: int, tp: int, zero: int, bf16: bool, clip: float) -> tuple:
+    """An engine over the gpt3d model on pp × tp × (world / pp / tp); returns ``(engine, dp)``."""
     import torch.distributed as dist
     from microspeed_pipeline import PipeModelDataParallelTopology
-    from microspeed_pipeline.gpt3d import gpt3d_batches, gpt3d_pipeline
+    from microspeed_pipeline.gpt3d import gpt3d_pipeline
 
     import microspeed
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     dp = world // (pp * tp)
-    cfg = model_config()
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GLOBAL // dp,
               "steps_per_print": 10**6, "optimizer": {"type": "Adam", "params": {"lr": LR}},
               "gradient_clipping": clip, "zero_optimization": {"stage": zero}}
     if bf16:
         config["bf16"] = {"enabled": True}
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    engine, *_ = microspeed.initialize(model=gpt3d_pipeline(cfg, topology=topo), config=config)
-    if load is not None:
-        engine.load_checkpoint(load)
+    engine, *_ = microspeed.initialize(model=gpt3d_pipeline(model_config(), topology=topo), config=config)
+    return engine, dp
+
+
+def _steps(engine: object, dp: int, steps: int, save: str | None = None, save_at: int = SAVE_AT) -> list[float]:
+    from microspeed_pipeline.gpt3d import gpt3d_batches
+
     d, gas = engine.topology.data_parallel_rank, GLOBAL // dp
     losses = []
     for step in range(engine.global_steps, steps):
-        mine = gpt3d_batches(cfg, step, GLOBAL, MICRO)[d * gas:(d + 1) * gas]
+        mine = gpt3d_batches(model_config(), step, GLOBAL, MICRO)[d * gas:(d + 1) * gas]
         losses.append(engine.train_batch(iter(mine)).item())
         if save is not None and step + 1 == save_at:
             engine.save_checkpoint(save)
     return losses
+
+
+def train(pp: int, tp: int, zero: int = 0, bf16: bool = False, clip: float = 0.0, load: str | None = None,
+          save: str | None = None, steps: int = STEPS, save_at: int = SAVE_AT) -> list[float]:
+    """One rank of a pp × tp × dp run: resume from ``load`` if given, train to ``steps``, save at ``save_at``.
+
+    Returns the losses of the steps it ran.
+    """
+    engine, dp = _engine(pp, tp, zero, bf16, clip)
+    if load is not None:
+        engine.load_checkpoint(load)
+    return _steps(engine, dp, steps, save, save_at)
+
+
+def save_then_resume(first: tuple[int, int], second: tuple[int, int], path: str, zero: int, bf16: bool,
+                     clip: float) -> tuple[list[float], list[float]]:
+    """Train ``first`` = (pp, tp) to ``SAVE_AT`` and save; a second engine on ``second`` loads it and trains on."""
+    engine, dp = _engine(*first, zero, bf16, clip)
+    before = _steps(engine, dp, SAVE_AT, path)
+    engine, dp = _engine(*second, zero, bf16, clip)
+    engine.load_checkpoint(path)
+    return before, _steps(engine, dp, STEPS)
 
 
 def _close(results: list[list[float]], expected: list[float], rtol: float, what: str) -> None:
@@ -132,3 +153,28 @@ def test_zero_checkpoints_of_pipelines_with_tied_weights_resume_under_other_stag
     _close(zero3, expected[SAVE_AT:], FP32_RTOL, "ZeRO-3 pp1 x dp2 resumed")
     tp = run_distributed(train, world_size=4, args=(2, 2), kwargs={"load": b}, timeout=240)
     _close(tp, expected[SAVE_AT + 1:], FP32_RTOL, "pp2 x tp2 resumed from ZeRO-3")
+
+
+def test_zero3_bf16_tp2_dp2_saves_and_pp2_tp2_resumes_with_the_single_process_losses(tmp_path):
+    """4 ranks, ZeRO-3 + bf16 + clipping: pp1 × tp2 × dp2 saves ZeRO pieces of tensor-parallel shards;
+    a pp2 × tp2 × dp1 engine on the same ranks loads them and trains on (losses within ``BF16_RTOL``)."""
+    expected = reference_losses(clip=1.0)
+    results = run_distributed(save_then_resume, world_size=4,
+                              args=((1, 2), (2, 2), str(tmp_path / "ck"), 3, True, 1.0), timeout=240)
+    _close([r[0] for r in results], expected[:SAVE_AT], BF16_RTOL, "ZeRO-3 bf16 pp1 x tp2 x dp2")
+    _close([r[1] for r in results], expected[SAVE_AT:], BF16_RTOL, "ZeRO-3 bf16 pp2 x tp2 x dp1 resumed")
+
+
+@pytest.mark.slow
+def test_3d_pp2_tp2_dp2_zero3_bf16_trains_saves_and_resumes_under_pp1_tp2_dp2_and_pp2_tp1_dp1(tmp_path):
+    """Issue 17's 3D case: tied-embedding GPT, pp2 × tp2 × dp2, ZeRO-3, bf16, clipping; resumes elsewhere."""
+    expected = reference_losses(clip=1.0)
+    ck = str(tmp_path / "3d")
+    full = run_distributed(train, world_size=8, args=(2, 2), kwargs={"zero": 3, "bf16": True, "clip": 1.0,
+                                                                     "save": ck}, timeout=400)
+    _close(full, expected, BF16_RTOL, "pp2 x tp2 x dp2 ZeRO-3 bf16")
+    for world, pp, tp in ((4, 1, 2), (2, 2, 1)):
+        resumed = run_distributed(train, world_size=world, args=(pp, tp),
+                                  kwargs={"zero": 3, "bf16": True, "clip": 1.0, "load": ck}, timeout=300)
+        _close(resumed, expected[SAVE_AT:], BF16_RTOL, f"resumed pp{pp} x tp{tp} x dp{world // (pp * tp)}")
+        _close(resumed, full[0][SAVE_AT:], BF16_RTOL / 4, "resumed vs the uninterrupted 3D run")
