@@ -128,6 +128,20 @@ def test_a_refusal_naming_an_unknown_or_foreign_pair_is_refused(features, match)
         composition_matrix(_manager(("kit", Kit())))
 
 
+def test_a_refusal_about_a_plugin_not_installed_is_set_apart_unless_strict(capsys):
+    pm = PluginManager()
+    pm.load_all(disabled=["zero"], extra=[("kit", ThirdParty())])
+    with pytest.raises(PluginError, match=r"no installed plugin declares the feature 'zero-\d'"):
+        composition_matrix(pm)
+    m = composition_matrix(pm, strict=False)
+    assert [(r.plugin, r.features) for r in m.absent if r.plugin == "kit"] == [("kit", ("kit-compress", "zero-3"))]
+    assert "zero-3" not in {f.name for f in m.features} and m.status("kit-compress", "moe") is None
+    assert "  kit-compress x zero-3 [plugin kit]" in m.text()
+    assert cli.main(["plugins", "--matrix", "--disable", "zero"]) == 0  # comm's refusals with ZeRO are set apart
+    out = capsys.readouterr().out
+    assert out.startswith("composition matrix: 14 features") and "  zero-1 " not in out
+
+
 def test_a_hook_answer_that_is_not_a_list_of_declarations_is_refused():
     class Bad:
         @microspeed.hookimpl

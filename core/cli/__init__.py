@@ -56,7 +56,7 @@ def cmd_plugins(argv: Sequence[str]) -> int:
     if opts.matrix:
         from microspeed.compositions import composition_matrix
 
-        matrix = composition_matrix(pm)
+        matrix = composition_matrix(pm, strict=False)  # a refusal about a plugin not installed here is shown apart
         sys.stdout.write(matrix.markdown() if opts.markdown else matrix.text())
         return 0
     if not opts.hooks:
