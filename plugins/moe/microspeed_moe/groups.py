@@ -38,6 +38,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from microspeed.plugin_api import ConfigError
+
 
 @dataclass(frozen=True)
 class ExpertGroups:
@@ -59,6 +61,9 @@ class ExpertGroups:
 
 _BY_GROUP: weakref.WeakKeyDictionary[Any, dict[int, ExpertGroups]] = weakref.WeakKeyDictionary()
 """``data-parallel group (the world's default group for the whole world) -> {ep_size: ExpertGroups}``."""
+
+_LATEST: weakref.WeakKeyDictionary[Any, dict[int, ExpertGroups]] = weakref.WeakKeyDictionary()
+"""``world -> {ep_size: this rank's groups made last}``: what a script's later, group-less query gets."""
 
 
 def _env_int(name: str) -> int | None:
@@ -126,7 +131,7 @@ def _build(members: tuple[int, ...], ep_size: int, rank: int) -> ExpertGroups | 
 
 def _refuse(ep_size: int, size: int, where: str) -> None:
     if size % ep_size:
-        raise ValueError(f"MoE(ep_size={ep_size}): {where} has {size} ranks, which is not a multiple of ep_size; "
+        raise ConfigError(f"MoE(ep_size={ep_size}): {where} has {size} rank(s), which is not a multiple of ep_size; "
                          f"choose an ep_size that divides the data-parallel size.")
 
 
@@ -165,13 +170,20 @@ def make_expert_groups(ep_sizes: Iterable[int], dp_group: Any = None, everywhere
         made = _build(m, e, rank)
         if made is not None and m == members:
             known[e] = made
-    return {e: known[e] for e in sizes}
+    out = {e: known[e] for e in sizes}
+    _LATEST.setdefault(dist.group.WORLD, {}).update(out)
+    return out
 
 
 def get_expert_groups(ep_size: int, dp_group: Any = None) -> ExpertGroups:
-    """The groups for ``ep_size`` inside ``dp_group`` (``None``: the whole world), made the first time.
+    """The groups for ``ep_size`` inside ``dp_group``, made the first time (collective over the world).
 
-    Making them is collective over the world (see :func:`make_expert_groups`); groups made at
-    ``initialize`` for an engine's data-parallel group are found here by that group.
+    Without ``dp_group``: the groups an engine made last for ``ep_size`` in this world (a pipeline
+    stage's, as DeepSpeed's ``groups._get_expert_parallel_group`` answers after ``initialize``), else
+    those over the whole world.
     """
+    if dp_group is None and dist.is_initialized():
+        latest = _LATEST.get(dist.group.WORLD, {}).get(ep_size)
+        if latest is not None:
+            return latest
     return make_expert_groups((ep_size,), dp_group)[ep_size]

@@ -165,3 +165,30 @@ def test_checkpoint_of_a_pipeline_with_experts_loads_under_tensor_parallel_and_o
         torch.testing.assert_close(torch.tensor(per_rank[0]), torch.tensor(expected[:2]), rtol=1e-5, atol=0)
         for losses in per_rank[1:]:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected[2:]), rtol=1e-5, atol=0)
+
+
+def _ep_larger_than_the_stage() -> dict:
+    import torch.distributed as dist
+    from microspeed_moe.groups import get_expert_groups
+
+    import microspeed
+
+    try:
+        _train(2, 1, (2, 2), {"k": 1}, {})  # pp2 x dp1: each stage's data axis is one rank
+    except microspeed.ConfigError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    first = _train(2, 1, (1, 1), {"k": 1}, {}, steps=1)  # the world is still usable; ep_size 1 works
+    groups = get_expert_groups(1)  # a script's later query: the last engine's groups (this stage's)
+    return {"error": error, "loss": first["losses"], "edp": groups.edp_ranks, "rank": dist.get_rank()}
+
+
+@pytest.mark.slow
+def test_an_ep_size_the_stage_cannot_split_is_refused_with_the_fix():
+    for r in run_distributed(_ep_larger_than_the_stage, world_size=2, timeout=180):
+        assert "MoE(ep_size=2): the data-parallel group [" in r["error"] and "choose an ep_size that divides" in \
+            r["error"], r["error"]
+        assert r["edp"] == (r["rank"],)  # stage r's data axis holds only rank r
+        torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(reference_losses(1, steps=1, k=1)),
+                                   rtol=1e-5, atol=0)
