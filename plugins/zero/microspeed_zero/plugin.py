@@ -24,12 +24,13 @@ from microspeed.plugin_api import (
     Field,
     GradientCompression,
     GradientPartitioning,
+    Refusal,
     Role,
     StepOutcome,
     comm,
     hookimpl,
 )
-from microspeed_zero.compositions import FEATURES
+from microspeed_zero.compositions import FEATURES, REFUSALS
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
 from microspeed_zero.runtime import ZeroRuntime
@@ -214,6 +215,11 @@ class ZeroPlugin:
     def microspeed_features(self) -> list[Feature]:
         """ZeRO stages 1-3 and CPU / NVMe offload, for the composition matrix."""
         return list(FEATURES)
+
+    @hookimpl
+    def microspeed_refusals(self) -> list[Refusal]:
+        """The pairs this plugin refuses at ``initialize()`` (:mod:`microspeed_zero.compositions`)."""
+        return list(REFUSALS)
 
 
 def partitioning(stage: int) -> GradientPartitioning:

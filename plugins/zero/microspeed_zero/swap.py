@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam as _adam
 
 from microspeed.plugin_api import ConfigError
+from microspeed_zero.compositions import NVME_STEP_IS_ADAM
 from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore, rank_folder
 
 MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
@@ -106,9 +107,7 @@ class OptimizerSwapper:
         if opt.base_class not in (torch.optim.Adam, torch.optim.AdamW):
             raise ConfigError(
                 f"zero_optimization.offload_optimizer.device='nvme' with the optimizer {opt.base_class.__name__}: "
-                f"the NVMe-offloaded step streams Adam's state (masters, exp_avg, exp_avg_sq) and runs Adam; "
-                f"use torch.optim.Adam or AdamW (optimizer.type 'Adam'/'AdamW'), or offload_optimizer.device "
-                f"'cpu'/'none' for {opt.base_class.__name__}.")
+                f"{NVME_STEP_IS_ADAM[0].message()} (optimizer.type 'Adam'/'AdamW' steps on NVMe).")
         if not cfg.offload_optimizer_nvme_path:
             raise ConfigError("zero_optimization.offload_optimizer.device='nvme' needs "
                               "zero_optimization.offload_optimizer.nvme_path (a folder to keep the state in).")
