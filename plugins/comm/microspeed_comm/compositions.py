@@ -20,7 +20,8 @@ FEATURES = (
     Feature("zero-one-adam", "0/1 Adam", '"optimizer": {"type": "ZeroOneAdam"}', choice=OPTIMIZER_TYPE),
     Feature("onebit-lamb", "1-bit LAMB", '"optimizer": {"type": "OneBitLamb"}', choice=OPTIMIZER_TYPE),
 )
-"""The ``comm`` plugin's features."""
+"""The ``comm`` plugin's features (the 1-bit Adams with NVMe offload are refused by the ``zero`` plugin, whose
+NVMe step runs Adam only)."""
 
 ZERO_FEATURES = ("zero-1", "zero-2", "zero-3", "offload-cpu")
 """The ZeRO features a 1-bit optimizer steps through: ZeRO takes the comm plugin's compressed reduce-scatter
@@ -43,14 +44,6 @@ LOCAL_STEPS_WITH_ZERO = refuse_pairs(
     when="optimizer.params.local_step_clipper > 1 (the default is 16)")
 """0/1 Adam's local steps with ZeRO (0/1 Adam with ``local_step_clipper`` 1 runs with ZeRO)."""
 
-ADAM_STATE_ON_NVME = refuse_pairs(
-    ("onebit-adam", "zero-one-adam"), ("offload-nvme",),
-    reason="ZeRO's NVMe-offloaded step streams the masters, exp_avg and exp_avg_sq through a few buffers and runs "
-           "Adam on them, not another optimizer's update",
-    instead="use offload_optimizer.device 'cpu' (with \"zero_force_ds_cpu_optimizer\": false) or 'none' for a "
-            "1-bit optimizer")
-"""The 1-bit Adams with NVMe offload (raised by ZeRO's swapper, which runs only Adam/AdamW)."""
-
 ONEBIT_WITH_MOE = refuse_pairs(
     ONEBIT, ("moe",),
     reason="the 1-bit optimizers compress one momentum per parameter over the whole data-parallel group, while "
@@ -58,5 +51,5 @@ ONEBIT_WITH_MOE = refuse_pairs(
     instead="use Adam (with ZeRO stage 1 or 2 if you like) for a model with MoE layers")
 """The 1-bit optimizers with MoE layers."""
 
-REFUSALS = LAMB_WITH_ZERO + LOCAL_STEPS_WITH_ZERO + ADAM_STATE_ON_NVME + ONEBIT_WITH_MOE
+REFUSALS = LAMB_WITH_ZERO + LOCAL_STEPS_WITH_ZERO + ONEBIT_WITH_MOE
 """Everything the ``comm`` plugin refuses."""

@@ -1,13 +1,14 @@
 """What the ``zero`` plugin declares to the composition matrix (``microspeed plugins --matrix``).
 
-The features only: ZeRO itself refuses no pair. The plugins that cannot combine with gradient
-partitioning declare those pairs (they ask the :class:`~microspeed.plugin_api.GradientPartitioning`
-capability at ``initialize()``).
+Its features, and the one pair it refuses itself (NVMe offload steps Adam only); the plugins that cannot
+combine with gradient partitioning declare their own pairs (they ask the
+:class:`~microspeed.plugin_api.GradientPartitioning` capability at ``initialize()``). The refusal is a module
+constant: :class:`~microspeed_zero.swap.OptimizerSwapper` raises with its message.
 """
 
 from __future__ import annotations
 
-from microspeed.plugin_api import Feature
+from microspeed.plugin_api import Feature, refuse_pairs
 
 STAGE = "zero_optimization.stage"
 
@@ -23,3 +24,14 @@ FEATURES = (
             '(offload_param with stage 3)'),
 )
 """ZeRO's features: the three stages (alternatives of ``zero_optimization.stage``) and the two offload targets."""
+
+NVME_STEP_IS_ADAM = refuse_pairs(
+    ("offload-nvme",), ("onebit-adam", "zero-one-adam"),
+    reason="ZeRO's NVMe-offloaded step streams Adam's state (masters, exp_avg, exp_avg_sq) through a few buffers and "
+           "applies Adam's update to it, so an optimizer with another update (the 1-bit Adams' frozen variance and "
+           "compressed momentum) has no state there to step",
+    instead="use offload_optimizer.device 'cpu' or 'none' for an optimizer other than torch.optim.Adam/AdamW")
+"""NVMe optimizer offload with the 1-bit Adams (1-bit LAMB with ZeRO is refused by the comm plugin first)."""
+
+REFUSALS = NVME_STEP_IS_ADAM
+"""Everything the ``zero`` plugin refuses."""
