@@ -90,12 +90,13 @@ def train(pp: int, tp: int, zero: int = 0, bf16: bool = False, clip: float = 0.0
     return _steps(engine, dp, steps, save, save_at)
 
 
-def save_then_resume(first: tuple[int, int], second: tuple[int, int], path: str, zero: int, bf16: bool,
+def save_then_resume(first: tuple[int, int, int], second: tuple[int, int, int], path: str, bf16: bool,
                      clip: float) -> tuple[list[float], list[float]]:
-    """Train ``first`` = (pp, tp) to ``SAVE_AT`` and save; a second engine on ``second`` loads it and trains on."""
-    engine, dp = _engine(*first, zero, bf16, clip)
+    """Train ``first`` = (pp, tp, ZeRO stage) to ``SAVE_AT`` and save; a second engine on ``second`` loads it
+    and trains on, on the same ranks. Returns both engines' losses."""
+    engine, dp = _engine(*first, bf16, clip)
     before = _steps(engine, dp, SAVE_AT, path)
-    engine, dp = _engine(*second, zero, bf16, clip)
+    engine, dp = _engine(*second, bf16, clip)
     engine.load_checkpoint(path)
     return before, _steps(engine, dp, STEPS)
 
@@ -160,7 +161,7 @@ def test_zero3_bf16_tp2_dp2_saves_and_pp2_tp2_resumes_with_the_single_process_lo
     a pp2 × tp2 × dp1 engine on the same ranks loads them and trains on (losses within ``BF16_RTOL``)."""
     expected = reference_losses(clip=1.0)
     results = run_distributed(save_then_resume, world_size=4,
-                              args=((1, 2), (2, 2), str(tmp_path / "ck"), 3, True, 1.0), timeout=240)
+                              args=((1, 2, 3), (2, 2, 3), str(tmp_path / "ck"), True, 1.0), timeout=240)
     _close([r[0] for r in results], expected[:SAVE_AT], BF16_RTOL, "ZeRO-3 bf16 pp1 x tp2 x dp2")
     _close([r[1] for r in results], expected[SAVE_AT:], BF16_RTOL, "ZeRO-3 bf16 pp2 x tp2 x dp1 resumed")
 
@@ -178,3 +179,16 @@ def test_3d_pp2_tp2_dp2_zero3_bf16_trains_saves_and_resumes_under_pp1_tp2_dp2_an
                                   kwargs={"zero": 3, "bf16": True, "clip": 1.0, "load": ck}, timeout=300)
         _close(resumed, expected[SAVE_AT:], BF16_RTOL, f"resumed pp{pp} x tp{tp} x dp{world // (pp * tp)}")
         _close(resumed, full[0][SAVE_AT:], BF16_RTOL / 4, "resumed vs the uninterrupted 3D run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("first", "second"), [((1, 2, 1), (2, 2, 2)), ((2, 1, 2), (1, 2, 3)), ((2, 2, 3), (2, 1, 1))],
+                         ids=["zero1-tp2xdp2->zero2-pp2xtp2", "zero2-pp2xdp2->zero3-tp2xdp2",
+                              "zero3-pp2xtp2->zero1-pp2xdp2"])
+def test_zero_stage_and_topology_change_on_resume_fp32(tmp_path, first, second):
+    """fp32, 4 ranks, clipping: (pp, tp, ZeRO stage) saves, another (pp, tp, stage) loads; losses equal 1e-5."""
+    expected = reference_losses(clip=1.0)
+    results = run_distributed(save_then_resume, world_size=4, args=(first, second, str(tmp_path / "ck"), False, 1.0),
+                              timeout=240)
+    _close([r[0] for r in results], expected[:SAVE_AT], FP32_RTOL, f"saved {first}")
+    _close([r[1] for r in results], expected[SAVE_AT:], FP32_RTOL, f"resumed {second}")

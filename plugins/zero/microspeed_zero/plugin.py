@@ -30,7 +30,7 @@ from microspeed.plugin_api import (
     comm,
     hookimpl,
 )
-from microspeed_zero.compositions import FEATURES, REFUSALS
+from microspeed_zero.compositions import CPU_STEP_IS_ADAM, FEATURES, REFUSALS
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
 from microspeed_zero.runtime import ZeroRuntime
@@ -103,11 +103,10 @@ class ZeroPlugin:
         codec = engine.capabilities.get(GradientCompression)  # its provider makes the optimizer step partitions
         check_partitionable(optimizer, self.config["zero_allow_untested_optimizer"] or bool(codec and codec.accepts(
             optimizer)))
-        if (self.cfg.offload_optimizer != "none" and self.config["zero_force_ds_cpu_optimizer"]
-                and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):
+        if (self.cfg.offload_optimizer == "cpu" and self.config["zero_force_ds_cpu_optimizer"]
+                and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):  # NVMe: the swapper refuses
             raise ConfigError(f"zero_optimization.offload_optimizer with the optimizer {type(optimizer).__name__}: "
-                              f"the offloaded step runs a fast CPU Adam; use Adam/AdamW, or set "
-                              f"\"zero_force_ds_cpu_optimizer\": false to step {type(optimizer).__name__} on the CPU.")
+                              f"{CPU_STEP_IS_ADAM[0].message()} (or use Adam/AdamW).")
         wrapped = self.rt.wrap(optimizer)
         self.rt.tag_parameters()
         if self.cfg.offload_optimizer == "nvme":
