@@ -230,6 +230,7 @@ def _moe_model():
     return MoE(8, torch.nn.Linear(8, 8), num_experts=2)
 
 
+NVME = "<nvme>"
 ONEBIT = {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}
 ADAM = {"type": "Adam", "params": {"lr": 1e-3}}
 
@@ -239,6 +240,12 @@ SINGLE_PROCESS_PAIRS = [
                                        "zero_optimization": {"stage": 2}}),
     (("moe", "zero-3"), _moe_model, {"optimizer": ADAM, "zero_optimization": {"stage": 3}}),
     (("onebit-adam", "moe"), _moe_model, {"optimizer": ONEBIT}),
+    (("zero-one-adam", "zero-1"), None, {"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}},
+                                         "zero_optimization": {"stage": 1}}),
+    (("onebit-adam", "offload-cpu"), None, {"optimizer": ONEBIT, "zero_optimization": {
+        "stage": 1, "offload_optimizer": {"device": "cpu"}}}),
+    (("onebit-adam", "offload-nvme"), None, {"optimizer": ONEBIT, "zero_optimization": {
+        "stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": NVME}}}),
     (("moe", "bf16"), _moe_model, {"optimizer": ADAM, "bf16": {"enabled": True},
                                    "data_types": {"grad_accum_dtype": "fp32"}}),
 ]
@@ -246,9 +253,12 @@ SINGLE_PROCESS_PAIRS = [
 
 @pytest.mark.parametrize("pair, model, config", SINGLE_PROCESS_PAIRS, ids=lambda v: "x".join(v) if
                          isinstance(v, tuple) else None)
-def test_a_declared_refusal_is_what_initialize_raises(matrix, pair, model, config):
+def test_a_declared_refusal_is_what_initialize_raises(matrix, pair, model, config, tmp_path):
     """Pairs one process can build: refused with the declared message exactly when declared (here: conditions met)."""
     refusal = matrix.status(*pair) or next(iter(matrix.conditions(*pair)), None)
+    if config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device") == "nvme":
+        config = {**config, "zero_optimization": {**config["zero_optimization"], "offload_optimizer": {
+            **config["zero_optimization"]["offload_optimizer"], "nvme_path": str(tmp_path)}}}
     model = model() if model else torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     config = {"train_batch_size": 2, "steps_per_print": 10**6, **config}
     if refusal is None:

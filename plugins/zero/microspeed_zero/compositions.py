@@ -1,9 +1,10 @@
 """What the ``zero`` plugin declares to the composition matrix (``microspeed plugins --matrix``).
 
-Its features, and the one pair it refuses itself (NVMe offload steps Adam only); the plugins that cannot
+Its features, and the pairs it refuses itself (its offloaded steps run Adam); the plugins that cannot
 combine with gradient partitioning declare their own pairs (they ask the
-:class:`~microspeed.plugin_api.GradientPartitioning` capability at ``initialize()``). The refusal is a module
-constant: :class:`~microspeed_zero.swap.OptimizerSwapper` raises with its message.
+:class:`~microspeed.plugin_api.GradientPartitioning` capability at ``initialize()``). The refusals are module
+constants: ``ZeroPlugin.microspeed_wrap_optimizer`` and :class:`~microspeed_zero.swap.OptimizerSwapper` raise
+with their messages.
 """
 
 from __future__ import annotations
@@ -33,5 +34,13 @@ NVME_STEP_IS_ADAM = refuse_pairs(
     instead="use offload_optimizer.device 'cpu' or 'none' for an optimizer other than torch.optim.Adam/AdamW")
 """NVMe optimizer offload with the 1-bit Adams (1-bit LAMB with ZeRO is refused by the comm plugin first)."""
 
-REFUSALS = NVME_STEP_IS_ADAM
+CPU_STEP_IS_ADAM = refuse_pairs(
+    ("offload-cpu",), ("onebit-adam", "zero-one-adam"),
+    reason='with "zero_force_ds_cpu_optimizer" true, ZeRO\'s CPU-offloaded step runs a fast CPU Adam in place of the '
+           "client's optimizer (as DeepSpeed does), which would replace the 1-bit update by Adam's",
+    instead='set "zero_force_ds_cpu_optimizer": false to step the 1-bit optimizer itself on the CPU',
+    when='"zero_force_ds_cpu_optimizer" is true (the default)')
+"""CPU optimizer offload with the 1-bit Adams while ZeRO forces its CPU Adam (a condition, not the whole pair)."""
+
+REFUSALS = NVME_STEP_IS_ADAM + CPU_STEP_IS_ADAM
 """Everything the ``zero`` plugin refuses."""
