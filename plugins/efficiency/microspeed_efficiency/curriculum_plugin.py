@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from microspeed.plugin_api import ConfigError, Feature, Field, Section, hookimpl
-from microspeed_efficiency.compositions import CURRICULUM_FEATURES
+from microspeed.plugin_api import ConfigError, Feature, Field, Refusal, Section, hookimpl
+from microspeed_efficiency.compositions import CURRICULUM_FEATURES, CURRICULUM_REFUSALS, CURRICULUM_WITH_PIPELINE
 from microspeed_efficiency.curriculum import SCHEDULE_TYPES, CurriculumScheduler
 
 NAME = "curriculum_learning"
@@ -162,5 +162,18 @@ class CurriculumPlugin:
 
     @hookimpl
     def microspeed_features(self) -> list[Feature]:
-        """Curriculum learning, for the composition matrix (it refuses no pair)."""
+        """Curriculum learning, for the composition matrix."""
         return list(CURRICULUM_FEATURES)
+
+    @hookimpl
+    def microspeed_refusals(self) -> list[Refusal]:
+        """The pairs this plugin refuses at ``initialize()`` (:mod:`microspeed_efficiency.compositions`)."""
+        return list(CURRICULUM_REFUSALS)
+
+    @hookimpl
+    def microspeed_after_model_ready(self, model: torch.nn.Module) -> None:
+        """Refuse a pipeline of several stages (:data:`~microspeed_efficiency.compositions.CURRICULUM_WITH_PIPELINE`)."""
+        stages = getattr(model, "num_stages", 1)  # a pipeline's module states its stages
+        if self.enabled and isinstance(stages, int) and stages > 1:
+            raise CURRICULUM_WITH_PIPELINE[0].error(f"{NAME}.enabled with a pipeline of {stages} stages "
+                                                    f"({type(model).__name__})")

@@ -40,8 +40,8 @@ from typing import Any
 
 from torch import nn
 
-from microspeed.plugin_api import ConfigError, Feature, hookimpl
-from microspeed_efficiency.compositions import RANDOM_LTD_FEATURES
+from microspeed.plugin_api import ConfigError, Feature, Refusal, hookimpl
+from microspeed_efficiency.compositions import RANDOM_LTD_FEATURES, RANDOM_LTD_REFUSALS, RANDOM_LTD_WITH_PIPELINE
 from microspeed_efficiency.random_ltd import (
     CONFIG_PATH,
     RandomLTD,
@@ -96,6 +96,10 @@ class RandomLTDPlugin:
         if self.config is None:
             return
         c = self.config
+        stages = getattr(model, "num_stages", 1)  # a pipeline's module states its stages
+        if isinstance(stages, int) and stages > 1:
+            raise RANDOM_LTD_WITH_PIPELINE[0].error(f"{CONFIG_PATH}.enabled with a pipeline of {stages} stages "
+                                                    f"({type(model).__name__})")
         try:
             list_name, _ = find_layer_list(model, c.total_layer_num)
         except ValueError as exc:
@@ -137,5 +141,10 @@ class RandomLTDPlugin:
 
     @hookimpl
     def microspeed_features(self) -> list[Feature]:
-        """Random-LTD, for the composition matrix (it refuses no pair)."""
+        """Random-LTD, for the composition matrix."""
         return list(RANDOM_LTD_FEATURES)
+
+    @hookimpl
+    def microspeed_refusals(self) -> list[Refusal]:
+        """The pairs this plugin refuses at ``initialize()`` (:mod:`microspeed_efficiency.compositions`)."""
+        return list(RANDOM_LTD_REFUSALS)
