@@ -171,6 +171,8 @@ class CompressedPartitionedReduce:
             error = self.errors[name] = torch.zeros_like(x)
         bits, scales = self.codec.compress(x, error, lay.block)
         error.index_fill_(0, lay.pad.to(wire.device), 0.0)  # the padding carries no error
+        if not bool(torch.isfinite(scales).all()):  # an fp16 overflow: the step is skipped, the error restarts
+            error.zero_()
         nbits = lay.chunk // 8
         send = torch.empty(self.world, nbits + 4 * (lay.chunk // lay.block), dtype=torch.uint8, device=wire.device)
         send[:, :nbits].copy_(bits.view(self.world, nbits))
