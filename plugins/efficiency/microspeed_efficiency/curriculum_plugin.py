@@ -172,7 +172,7 @@ class CurriculumPlugin:
 
     @hookimpl
     def microspeed_after_model_ready(self, model: torch.nn.Module) -> None:
-        """Refuse a pipeline of several stages (:data:`~microspeed_efficiency.compositions.CURRICULUM_WITH_PIPELINE`)."""
+        """Refuse a pipeline of several stages (``CURRICULUM_WITH_PIPELINE`` in :mod:`.compositions`)."""
         stages = getattr(model, "num_stages", 1)  # a pipeline's module states its stages
         if self.enabled and isinstance(stages, int) and stages > 1:
             raise CURRICULUM_WITH_PIPELINE[0].error(f"{NAME}.enabled with a pipeline of {stages} stages "

@@ -101,6 +101,22 @@ def save_then_resume(first: tuple[int, int, int], second: tuple[int, int, int], 
     return before, _steps(engine, dp, STEPS)
 
 
+def consolidated_loss(ck: str, step: int) -> float:
+    """Load the checkpoint's fp32 weights (read whole, no process group) into the plain one-process model;
+    its loss on ``step``'s global batch."""
+    from microspeed_pipeline.gpt3d import gpt3d_batches, gpt3d_loss, gpt3d_pipeline
+
+    from microspeed.checkpoint import get_fp32_state_dict
+
+    model = gpt3d_pipeline(model_config())
+    state = get_fp32_state_dict(ck)
+    assert list(state) == list(model.state_dict())  # full tensors, the tied weight once, the plain model's keys
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return torch.stack([gpt3d_loss(model(x), y)
+                            for x, y in gpt3d_batches(model_config(), step, GLOBAL, MICRO)]).mean().item()
+
+
 def _close(results: list[list[float]], expected: list[float], rtol: float, what: str) -> None:
     for rank, losses in enumerate(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=rtol, atol=0,
@@ -164,6 +180,8 @@ def test_zero3_bf16_tp2_dp2_saves_and_pp2_tp2_resumes_with_the_single_process_lo
                               args=((1, 2, 3), (2, 2, 3), str(tmp_path / "ck"), True, 1.0), timeout=240)
     _close([r[0] for r in results], expected[:SAVE_AT], BF16_RTOL, "ZeRO-3 bf16 pp1 x tp2 x dp2")
     _close([r[1] for r in results], expected[SAVE_AT:], BF16_RTOL, "ZeRO-3 bf16 pp2 x tp2 x dp1 resumed")
+    plain = consolidated_loss(str(tmp_path / "ck"), SAVE_AT)
+    torch.testing.assert_close(plain, results[0][1][0], rtol=BF16_RTOL / 4, atol=0)
 
 
 @pytest.mark.slow
@@ -174,6 +192,7 @@ def test_3d_pp2_tp2_dp2_zero3_bf16_trains_saves_and_resumes_under_pp1_tp2_dp2_an
     full = run_distributed(train, world_size=8, args=(2, 2), kwargs={"zero": 3, "bf16": True, "clip": 1.0,
                                                                      "save": ck}, timeout=400)
     _close(full, expected, BF16_RTOL, "pp2 x tp2 x dp2 ZeRO-3 bf16")
+    torch.testing.assert_close(consolidated_loss(ck, SAVE_AT), full[0][SAVE_AT], rtol=BF16_RTOL / 4, atol=0)
     for world, pp, tp in ((4, 1, 2), (2, 2, 1)):
         resumed = run_distributed(train, world_size=world, args=(pp, tp),
                                   kwargs={"zero": 3, "bf16": True, "clip": 1.0, "load": ck}, timeout=300)
