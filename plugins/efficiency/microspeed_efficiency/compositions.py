@@ -38,3 +38,25 @@ PLD_WITH_PIPELINE = refuse_pairs(
 
 PLD_REFUSALS = PLD_WITH_PIPELINE
 """Everything the ``progressive_layer_drop`` plugin refuses."""
+
+RANDOM_LTD_WITH_PIPELINE = refuse_pairs(
+    ("random-ltd",), ("pipeline-1f1b", "pipeline-interleaved"),
+    reason="random-LTD gathers the kept tokens before the first of its layers and scatters them back after the last, "
+           "within one nn.ModuleList of the model's total_layer_num layers, while a pipeline spreads those layers "
+           "over stages that exchange whole activations",
+    instead="use random-LTD without a pipeline (with data or tensor parallelism and ZeRO)")
+"""Random-LTD with a pipeline."""
+
+RANDOM_LTD_REFUSALS = RANDOM_LTD_WITH_PIPELINE
+"""Everything the ``random_ltd`` plugin refuses."""
+
+CURRICULUM_WITH_PIPELINE = refuse_pairs(
+    ("curriculum",), ("pipeline-1f1b", "pipeline-interleaved"),
+    reason="sequence-length curriculum cuts each micro-batch where the model's forward receives it, while in a "
+           "pipeline only the first stage receives the inputs and the last stage the labels, so the stages would "
+           "disagree on the sequence length",
+    instead="use curriculum learning without a pipeline (with data or tensor parallelism and ZeRO)")
+"""Curriculum learning (sequence length) with a pipeline."""
+
+CURRICULUM_REFUSALS = CURRICULUM_WITH_PIPELINE
+"""Everything the ``curriculum`` plugin refuses."""
