@@ -29,6 +29,15 @@ DCP's planner de-duplicates replicated tensors, so in pure data parallelism the 
 writing and each writes only the tensors it was assigned. A plugin that shards state (ZeRO,
 tensor parallel) contributes DTensors or rank-unique keys and DCP writes each shard once.
 
+**Composed shardings.** Two plugins may split the same tensor in turn, through two hooks that never
+name each other: ``microspeed_checkpoint_placements`` says where this rank's box sits in the full
+tensor (tensor parallel), and who writes it (one data-parallel replica; never a ``duplicate`` — a
+tied copy on a later pipeline stage, a replicated parameter on tensor rank > 0); a plugin that
+splits the box over the data axis (ZeRO's :func:`flat_shard`, in ``microspeed_checkpoint_module_tensors``
+and its optimizer parts) presents pieces of that box, which :func:`place_pieces` moves into the full
+tensor on save and on load. So a checkpoint written under pp × tp × dp with ZeRO stage 1, 2 or 3
+holds every tensor once, whole-shaped, and loads under any other pp, tp, dp and stage, or whole.
+
 **Safety.** Everything goes into ``<tag>.tmp-<nonce>``; after DCP finished on all ranks, rank 0
 writes the manifest, all ranks meet at a barrier, rank 0 renames the folder to ``<tag>`` and then
 replaces ``latest`` with ``os.replace``. A save interrupted anywhere (a rank killed) leaves
@@ -49,12 +58,12 @@ else from ``model/<fqn>`` (an fp32 checkpoint), at full precision.
 
 **Modules.** :mod:`~microspeed.checkpoint.layout` (tags, ``latest``, tag folders, manifest and tensor
 index, atomic publish), :mod:`~microspeed.checkpoint.sharding` (:func:`flat_shard`,
-:class:`Placement`: tensors a rank holds pieces of), :mod:`~microspeed.checkpoint.reader`
-(:class:`Reader`), :mod:`~microspeed.checkpoint.saving` and :mod:`~microspeed.checkpoint.loading` (the
-engine-level entry points and the default optimizer-state parts), :mod:`~microspeed.checkpoint.names`
-(FQNs, tied aliases), :mod:`~microspeed.checkpoint.rng`, :mod:`~microspeed.checkpoint.manifest`
-(the msgpack half), :mod:`~microspeed.checkpoint.errors`; converters in
-:mod:`~microspeed.checkpoint.deepspeed_format`, :mod:`~microspeed.checkpoint.export` and
+:func:`box_shard`, :class:`Placement`, :func:`place_pieces`: tensors a rank holds pieces of),
+:mod:`~microspeed.checkpoint.reader` (:class:`Reader`), :mod:`~microspeed.checkpoint.saving` and
+:mod:`~microspeed.checkpoint.loading` (the engine-level entry points and the default optimizer-state
+parts), :mod:`~microspeed.checkpoint.names` (FQNs, tied aliases), :mod:`~microspeed.checkpoint.rng`,
+:mod:`~microspeed.checkpoint.manifest` (the msgpack half), :mod:`~microspeed.checkpoint.errors`;
+converters in :mod:`~microspeed.checkpoint.deepspeed_format`, :mod:`~microspeed.checkpoint.export` and
 :mod:`~microspeed.checkpoint.zero_to_fp32`. Every public name is importable from here.
 """
 

@@ -12,8 +12,10 @@ process grid) or when ``initialize(mpu=...)`` receives a :class:`~microspeed_pip
 * ``grad_norm_rules``: the global norm counts each gradient once — tied copies on later stages
   and tensor-parallel replicas (biases, norms) on tensor rank > 0 are skipped; the kernel sums the
   rest over the slice group (the topology's model-parallel group) and the built-in clips once;
-* ``checkpoint_module_tensors``: tensor-parallel shards are presented as pieces of their full
-  tensors, so checkpoints load under another tensor-parallel size.
+* ``checkpoint_placements``: tensor-parallel shards are boxes of their full tensors, tied copies on
+  later stages and tensor-replicated parameters on tensor rank > 0 are duplicates written by another
+  rank, so checkpoints load under another number of stages or tensor-parallel size (ZeRO's pieces of
+  a shard compose with the boxes in the core).
 
 * ``conflicts``: a plugin that partitions gradients (ZeRO, asked through the typed
   :class:`~microspeed.plugin_api.GradientPartitioning` capability) combines with every stage count,
