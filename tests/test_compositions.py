@@ -270,30 +270,51 @@ def test_a_declared_refusal_is_what_initialize_raises(matrix, pair, model, confi
         assert refusal.message() in str(info.value)
 
 
-def _pld_in_a_pipeline() -> str | None:
-    """On each of 2 ranks: a 2-stage PipelineModule with progressive layer drop; the refusal's text, or None."""
+IN_A_PIPELINE = {
+    "pld": ("progressive_layer_drop.enabled", {"progressive_layer_drop": {"enabled": True, "theta": 0.5,
+                                                                        "gamma": 0.001}}),
+    "random-ltd": ("data_efficiency.data_routing.random_ltd.enabled", {"data_efficiency": {
+        "enabled": True, "data_routing": {"enabled": True, "random_ltd": {
+            "enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 1, "random_ltd_layer_id": [1],
+            "random_ltd_schedule": {"min_value": 2, "max_value": 4, "schedule_type": "fixed_linear",
+                                    "schedule_config": {"require_steps": 2, "seq_per_step": 2}}}}}}),
+    "curriculum": ("curriculum_learning.enabled", {"curriculum_learning": {
+        "enabled": True, "curriculum_type": "seqlen", "min_difficulty": 2, "max_difficulty": 4,
+        "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 2}}}),
+}
+"""Features refused in a pipeline: the key their refusal names, and the config that turns them on."""
+
+
+def _in_a_pipeline(configs: dict) -> dict[str, str | None]:
+    """On each of 2 ranks: a 2-stage PipelineModule with each feature on; the refusal's text, or None."""
     from microspeed_pipeline.module import PipelineModule
 
-    torch.manual_seed(0)
-    model = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
-                           loss_fn=torch.nn.functional.mse_loss)
-    config = {"train_batch_size": 2, "steps_per_print": 10**6, "optimizer": ADAM,
-              "progressive_layer_drop": {"enabled": True, "theta": 0.5, "gamma": 0.001}}
-    try:
-        microspeed.initialize(model=model, config=config)
-    except ConfigError as exc:
-        return str(exc)
-    return None
+    out = {}
+    for feature, extra in configs.items():
+        torch.manual_seed(0)
+        model = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=2,
+                               loss_fn=torch.nn.functional.mse_loss)
+        try:
+            microspeed.initialize(model=model, config={"train_batch_size": 2, "steps_per_print": 10**6,
+                                                       "optimizer": ADAM, **extra})
+            out[feature] = None
+        except ConfigError as exc:
+            out[feature] = str(exc)
+    return out
 
 
 @pytest.mark.slow
-def test_pld_in_a_pipeline_is_refused_as_declared(matrix):
+def test_efficiency_features_in_a_pipeline_are_refused_as_declared(matrix):
+    """progressive layer drop, random-LTD and curriculum in a 2-stage pipeline (2 ranks, one job)."""
     from microspeed.testing import run_distributed
 
-    refusal = matrix.status("pld", "pipeline-1f1b")
-    for message in run_distributed(_pld_in_a_pipeline, world_size=2, timeout=120):
-        if refusal is None:
-            assert message is None
-        else:
-            assert message is not None and refusal.message() in message
-            assert message.startswith("progressive_layer_drop.enabled with a pipeline of 2 stages (PipelineModule): ")
+    configs = {feature: extra for feature, (_, extra) in IN_A_PIPELINE.items()}
+    for results in run_distributed(_in_a_pipeline, world_size=2, args=(configs,), timeout=180):
+        for feature, message in results.items():
+            refusal = matrix.status(feature, "pipeline-1f1b")
+            if refusal is None:
+                assert message is None, (feature, message)
+            else:
+                assert message is not None and refusal.message() in message, (feature, message)
+                key = IN_A_PIPELINE[feature][0]
+                assert message.startswith(f"{key} with a pipeline of 2 stages (PipelineModule): "), message
