@@ -107,6 +107,7 @@ class ParameterPartitioner:
         self.order: list[int] = []
         self.trace: list[int] = []
         self.position: dict[int, list[int]] = {}
+        self.orders: dict[frozenset, tuple[list[int], dict[int, list[int]]]] = {}  # one per kind of forward
         self.handles: list[Any] = []
         self.placeholders: dict[tuple, torch.Tensor] = {}
         self.offload = self.cfg.offload_param in ("cpu", "nvme")  # shards in host memory (or files)
@@ -334,8 +335,11 @@ class ParameterPartitioner:
             self.fetch(index)
             self.uses[index] = self.uses.get(index, 0) + 1
             self.trace.append(index)
-        if self.order and len(self.trace) <= len(self.order) and self.order[len(self.trace) - 1] == self.trace[-1]:
-            self._prefetch(self.order, len(self.trace) - 1)
+        n = len(self.trace)
+        if not (n <= len(self.order) and self.order[n - 1] == self.trace[-1]):  # another forward (pipeline chunk)
+            self._select_order(lambda order: order[:n] == self.trace)
+        if self.order and n <= len(self.order) and self.order[n - 1] == self.trace[-1]:
+            self._prefetch(self.order, n - 1)
 
     def _post_forward(self, module: torch.nn.Module, outputs: Any) -> None:
         if not self.stack or self.stack[-1].module is not module:
@@ -384,9 +388,22 @@ class ParameterPartitioner:
             distance += self.segments[later].padded
         return False
 
+    def _select_order(self, matches: Any) -> None:
+        """Prefetch along the most recent recorded order for which ``matches(order)`` holds, if any.
+
+        A pipeline runs several different forwards per step (one per chunk, interleaved with backwards);
+        each keeps its own recorded order, so prefetching follows the schedule across them.
+        """
+        for order, position in reversed(self.orders.values()):
+            if matches(order):
+                self.order, self.position = order, position
+                return
+
     def _pre_backward(self, needed: list[int]) -> None:
         for index in needed:
             self.fetch(index)
+        if any(i not in self.position for i in needed):  # the backward of another forward (pipeline chunk)
+            self._select_order(lambda order: all(i in order for i in needed))
         backward_order = list(reversed(self.order))
         if backward_order:
             first = min(len(self.order) - 1 - max(self.position.get(i, [0])) for i in needed)
@@ -401,6 +418,11 @@ class ParameterPartitioner:
             self.position = {}
             for pos, index in enumerate(self.order):
                 self.position.setdefault(index, []).append(pos)
+            key = frozenset(self.order)
+            self.orders.pop(key, None)
+            self.orders[key] = (self.order, self.position)
+            if len(self.orders) > 8:  # a model whose forwards differ freely: keep the recent ones
+                del self.orders[next(iter(self.orders))]
         self.trace = []
         self.uses.clear()
         self.stack.clear()
