@@ -133,11 +133,31 @@ class MoEMLP(nn.Module):
         return out
 
 
+STEP = 0
+"""The optimizer step being trained (the training loop sets it): part of the key of progressive layer drop's draws."""
+
+
+def _in_backward() -> bool:
+    """Whether autograd runs a backward on this thread (an activation checkpoint recomputing a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block ``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` (see :class:`ModelSpec`)."""
+    """Pre-LayerNorm transformer block ``x + attn(ln1(x))``, ``x + mlp(ln2(x))`` (see :class:`ModelSpec`).
+
+    It takes progressive layer drop's keywords (``progressive_layer_drop``, ``pld_theta``): in training, block ``i``
+    of ``L`` then runs with probability ``keep_i = 1 - (i + 1) / L * (1 - theta)`` and its branches are divided by
+    ``keep_i``, as :class:`microspeed.models.GPT`'s blocks do. The draw is keyed by ``(STEP, n % 2, i)``, ``n``
+    counting the block's training forwards in the step (forwards inside a backward, activation checkpointing's
+    recomputes, are counted apart and redraw the same): every schedule runs a block's micro-batches in order, so the
+    pipeline form, the single module and every data-parallel rank draw alike for the same micro-batch position
+    (see :func:`micro_batch`).
+    """
 
     def __init__(self, spec: ModelSpec = ModelSpec(), index: int = 0) -> None:
         super().__init__()
+        self.index = index
+        self._counts = [-1, 0, 0]  # step, forwards, recomputes
         self.ln_1 = nn.LayerNorm(WIDTH)
         self.attn = CausalSelfAttention(GPT_CONFIG)
         nn.init.normal_(self.attn.qkv.weight, std=0.02)
@@ -148,10 +168,24 @@ class Block(nn.Module):
         kind = spec.mlp(index)
         self.mlp: nn.Module = MoEMLP(spec.ep) if kind == "moe" else DenseMLP(tp=kind == "tp")
 
-    def forward(self, x: torch.Tensor, keep_prob: float = 1.0) -> torch.Tensor:
-        """Transform ``(B, T, W)``; ``keep_prob`` < 1 rescales both branches (progressive layer drop)."""
-        x = x + self.attn(self.ln_1(x)) / keep_prob
-        return x + self.mlp(self.ln_2(x)) / keep_prob
+    def _draw(self) -> float:
+        if self._counts[0] != STEP:
+            self._counts[:] = [STEP, 0, 0]
+        slot = 2 if _in_backward() else 1
+        n = self._counts[slot]
+        self._counts[slot] += 1
+        g = torch.Generator().manual_seed(100003 * STEP + 101 * (n % 2) + self.index)
+        return float(torch.rand((), generator=g))
+
+    def forward(self, x: torch.Tensor, progressive_layer_drop: bool = False, pld_theta: float = 1.0) -> torch.Tensor:
+        """Transform ``(B, T, W)`` (skipped, or rescaled, under progressive layer drop)."""
+        keep = 1.0
+        if progressive_layer_drop and self.training:
+            keep = 1.0 - (self.index + 1) / N_BLOCKS * (1.0 - float(pld_theta))
+            if self._draw() >= keep:
+                return x
+        x = x + self.attn(self.ln_1(x)) / keep
+        return x + self.mlp(self.ln_2(x)) / keep
 
 
 class Head(nn.Module):
@@ -183,9 +217,8 @@ def layer_specs(spec: ModelSpec) -> list:
 class Stack(nn.Module):
     """The single-module form: ``forward((ids, targets))`` returns the loss.
 
-    It takes progressive layer drop's keywords (``progressive_layer_drop``, ``pld_theta``): block ``i`` of ``L``
-    then runs with probability ``keep_i = 1 - (i + 1) / L * (1 - theta)`` (one draw per block) and its branches are
-    divided by ``keep_i``, as :class:`microspeed.models.GPT` does.
+    It takes progressive layer drop's keywords (``progressive_layer_drop``, ``pld_theta``) and hands them to every
+    block (see :class:`Block`).
     """
 
     def __init__(self, spec: ModelSpec = ModelSpec()) -> None:
@@ -201,26 +234,18 @@ class Stack(nn.Module):
         torch.manual_seed(BASE_SEED + 1 + N_BLOCKS)
         self.head = Head()
 
-    def _block(self, block: nn.Module, x: torch.Tensor, keep: float) -> torch.Tensor:
-        if self.spec.ac and self.training:
-            from microspeed_pipeline.checkpointing import checkpoint
-
-            return checkpoint(block, x, keep)
-        return block(x, keep)
-
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor], progressive_layer_drop: bool = False,
                 pld_theta: float = 1.0) -> torch.Tensor:
         """The mean cross-entropy of the ``(ids, targets)`` micro-batch."""
         ids, targets = batch
         x = self.embed(ids)
-        n = len(self.blocks)
-        for i, block in enumerate(self.blocks):
-            keep = 1.0
-            if progressive_layer_drop and self.training:
-                keep = 1.0 - (i + 1) / n * (1.0 - float(pld_theta))
-                if torch.rand(()).item() >= keep:
-                    continue
-            x = self._block(block, x, keep)
+        for block in self.blocks:
+            if self.spec.ac and self.training:
+                from microspeed_pipeline.checkpointing import checkpoint
+
+                x = checkpoint(block, x, progressive_layer_drop, pld_theta)
+            else:
+                x = block(x, progressive_layer_drop, pld_theta)
         return lm_loss(self.head(x), targets)
 
 

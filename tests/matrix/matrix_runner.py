@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import matrix_model
 from matrix_model import N_MICRO, ModelSpec, build_pipeline, build_stack, micro_batch
 from matrix_recipes import NVME_PLACEHOLDER, RECIPES, Plan
 
@@ -81,6 +82,7 @@ def _train(plan: Plan, folder: str) -> list[float]:
         gas = N_MICRO // dp
         losses = []
         for step in range(plan.steps):
+            matrix_model.STEP = step
             mine = [micro_batch(step, i) for i in range(d * gas, (d + 1) * gas)]
             loss = engine.train_batch(iter(mine))
             if not pipelined and dp > 1:  # the plain loop returns this rank's mean; the pipeline's is global

@@ -187,3 +187,30 @@ def test_pair(a: str, b: str, matrix_results: dict[str, MatrixResult]) -> None:
         pytest.skip(f"{plan.describe()}: more ranks than this machine runs ({MAX_WORLD})")
     verdict = _verdict(plan, matrix_results[plan.key], refusal)
     assert verdict is None, f"{a} x {b}: {verdict}"
+
+
+def test_the_checks_can_fail():
+    """A changed loss, a wrong refusal text, an unexpected acceptance: each is reported, not passed."""
+    from matrix_runner import Outcome
+
+    plan = plan_pair("zero-1", "activation-checkpointing")
+    ref = Outcome("ok", losses=[3.0, 2.5, 2.0, 1.5])
+    good = Outcome("ok", losses=[3.0, 2.5, 2.0], rank_losses=[[3.0, 2.5, 2.0]] * 2)
+    assert _verdict(plan, MatrixResult(plan, good, ref), None) is None
+    off = Outcome("ok", losses=[3.0, 2.5, 2.0], rank_losses=[[3.0, 2.5, 2.0], [3.0, 2.5, 2.0001]])
+    assert "rank 1" in _verdict(plan, MatrixResult(plan, off, ref), None)
+    refused = Outcome("config_error", message="zero_optimization.stage: something else; use X")
+
+    class Declared:
+        def message(self) -> str:
+            return "the declared reason; use Y"
+
+    assert "declared refused" in _verdict(plan, MatrixResult(plan, refused), Declared())
+    assert "declared refused" in _verdict(plan, MatrixResult(plan, good, ref), Declared())
+    assert _verdict(plan, MatrixResult(plan, Outcome("config_error", message="k: the declared reason; use Y")),
+                    Declared()) is None
+    assert "refused it" in _verdict(plan, MatrixResult(plan, refused), None)
+    compressed = plan_pair("onebit-adam", "zero-1")  # warm-up exact, the last step within the band
+    assert compare_losses(compressed, [3.0, 2.5, 2.0, 1.6], [3.0, 2.5, 2.0, 1.5]) is None
+    assert "step 2" in compare_losses(compressed, [3.0, 2.5, 2.001, 1.5], [3.0, 2.5, 2.0, 1.5])
+    assert "step 3" in compare_losses(compressed, [3.0, 2.5, 2.0, 1.8], [3.0, 2.5, 2.0, 1.5])
