@@ -6,6 +6,11 @@ are the core's (``model/<fqn>``, ``master/<fqn>``, ``optim/<fqn>/<name>``), so a
 at stage ``s`` on ``N`` ranks loads at stage ``s'`` on ``M`` ranks, at stage 0, or through
 ``microspeed checkpoint consolidate``; and loading reads each rank's pieces straight into its
 partition, never a whole tensor.
+
+Under tensor parallelism a parameter is itself a shard of a larger tensor: the pieces here are of
+that shard (its ``ds_shape`` at stage 3), and the core moves them into the full tensor with the
+placement another plugin states for the shard (``microspeed_checkpoint_placements``), so a
+checkpoint of pp × tp × dp with any stage holds every tensor whole-shaped and once.
 """
 
 from __future__ import annotations
