@@ -21,10 +21,10 @@ too.
 
 Example (4 ranks, pp2 × tp2 × dp1)::
 
+    config = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=32)
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
-    model = gpt3d_pipeline(GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=32), topology=topo)
-    engine, *_ = microspeed.initialize(model=model, config=...)
-    loss = engine.train_batch(iter(gpt3d_batches(model_config, step=0, count=gas, micro=2)))
+    engine, *_ = microspeed.initialize(model=gpt3d_pipeline(config, topology=topo), config=...)
+    loss = engine.train_batch(iter(gpt3d_batches(config, step=0, count=gas, micro=2)))
 """
 
 from __future__ import annotations

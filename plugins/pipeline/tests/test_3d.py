@@ -140,8 +140,8 @@ def test_gpt3d_builds_the_same_weights_for_every_topology_and_is_the_plain_model
 
 
 @pytest.mark.slow
-def test_pp2_tp2_checkpoint_resumes_under_tp2_dp2_pp2_and_one_process(tmp_path):
-    """fp32, no ZeRO: pp2 × tp2 × dp1 saves; pp1 × tp2 × dp2, pp2 × tp1 × dp1 and 1 process resume."""
+def test_pp2_tp2_checkpoint_resumes_under_tp2_dp2_and_pp2(tmp_path):
+    """fp32, no ZeRO, clipping: pp2 × tp2 × dp1 saves; pp1 × tp2 × dp2 and pp2 × tp1 × dp1 resume."""
     expected = reference_losses(clip=1.0)
     ck = str(tmp_path / "pp2tp2")
     saved = run_distributed(train, world_size=4, args=(2, 2), kwargs={"clip": 1.0, "save": ck, "steps": SAVE_AT},
