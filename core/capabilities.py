@@ -93,6 +93,9 @@ class GradientCompression(Capability):
     returns ``(bits, scales)`` (signs packed 8 to a byte, one fp32 scale per ``block`` values) and
     replaces ``error`` in place by what the code dropped; ``decompress(bits, scales, block, out=...,
     accumulate=...)`` decodes; ``block_size`` is the preferred block (a power of two, 64 to 8192).
+    ``error(key, numel, device)`` is the sender-error buffer (fp32, zeros at first) of the exchange
+    ``key``: the provider keeps it (and checkpoints it per rank), the partitioner asks for it at every
+    compressed exchange.
     """
 
     accepts: Callable[[Any], bool]
@@ -100,6 +103,7 @@ class GradientCompression(Capability):
     compress: Callable[..., tuple[Any, Any]]
     decompress: Callable[..., Any]
     block_size: int
+    error: Callable[[Any, int, Any], Any]
 
 
 C = TypeVar("C", bound=Capability)

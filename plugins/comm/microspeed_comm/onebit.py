@@ -92,6 +92,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._pending_errors: dict[str, dict[str, Any]] = {}
         self._frozen_denoms: dict[torch.Tensor, torch.Tensor] = {}
         self.partitioned = False
+        self._partition_errors: dict[str, torch.Tensor] = {}
 
     # -- group and phase ---------------------------------------------------------------------
 
@@ -177,14 +178,31 @@ class OneBitOptimizer(torch.optim.Optimizer):
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
 
+    def partition_error(self, key: Any, numel: int, device: Any = None) -> torch.Tensor:
+        """Partitioned: the sender-error buffer of the partitioner's compressed exchange ``key`` (kept here, so
+        that it is checkpointed per rank with the other errors; zeros at first, or when ``numel`` changes)."""
+        name = str(key)
+        e = self._partition_errors.get(name)
+        if e is None or e.numel() != numel:
+            e = self._partition_errors[name] = torch.zeros(numel, dtype=torch.float32, device=device)
+        return e
+
     def error_state(self) -> dict[str, Any]:
         """Every compressor's error buffers with their layout (per rank: they differ across ranks)."""
         out = {k: c.state() for k, c in self._compressors.items()}
         out.update({k: v for k, v in self._pending_errors.items() if k not in out})
+        if self._partition_errors:
+            out["partition"] = {"world": self.world_size, "rank": comm.get_rank(self.group),
+                                "errors": dict(self._partition_errors)}
         return out
 
     def load_error_state(self, states: dict[str, Any]) -> None:
         """Restore error buffers saved by :meth:`error_state` when their layout and rank match (else zero)."""
+        states = dict(states)
+        part = states.pop("partition", None)
+        self._partition_errors = {}
+        if part and part.get("world") == self.world_size and part.get("rank") == comm.get_rank(self.group):
+            self._partition_errors = {k: v.clone() for k, v in part["errors"].items()}
         self._pending_errors = dict(states)
         for key, c in self._compressors.items():
             if key in self._pending_errors:
@@ -198,6 +216,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         """Forget all error-feedback state."""
         self._compressors.clear()
         self._pending_errors.clear()
+        self._partition_errors.clear()
 
     # -- the step ----------------------------------------------------------------------------
 

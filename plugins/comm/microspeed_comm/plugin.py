@@ -188,7 +188,8 @@ class CommPlugin:
     def microspeed_capabilities(self) -> list[Capability]:
         """The compressed gradient exchange a partitioner (ZeRO) may use for the 1-bit optimizers."""
         return [GradientCompression(accepts=self._accepts, attach=self._attach, compress=bitpack.compress,
-                                    decompress=bitpack.decompress, block_size=DEFAULT_BLOCK_SIZE)]
+                                    decompress=bitpack.decompress, block_size=DEFAULT_BLOCK_SIZE,
+                                    error=self._partition_error)]
 
     @hookimpl
     def microspeed_conflicts(self, capabilities: Capabilities) -> list[tuple[str, str]] | None:
@@ -226,7 +227,17 @@ class CommPlugin:
         optimizer.set_partitioned()
         self.optimizer, self.partitioned = optimizer, True
         self.log = get_logger("microspeed.comm")
+        if comm.get_rank() == 0:
+            self.log.info("comm: the partitioner steps its slices with this optimizer; it averages their gradients "
+                          "exactly while the optimizer asks for full precision, else with its 1-bit reduce-scatter",
+                          optimizer=name)
         return lambda: not optimizer.full_precision_gradients_next()
+
+    def _partition_error(self, key: Any, numel: int, device: Any) -> torch.Tensor:
+        """The attached optimizer's sender-error buffer ``key`` (checkpointed per rank with its other errors)."""
+        if not self.partitioned:
+            raise RuntimeError("GradientCompression.error: no partition optimizer is attached")
+        return self.optimizer.partition_error(key, numel, device)
 
     def _refuse_held_apart(self, name: str) -> None:
         held_apart = [n for n, p in self.engine.module.named_parameters() if not reduced_over_data_parallel(p)]

@@ -150,6 +150,44 @@ def test_onebit_adam_with_zero_2_on_four_ranks():
     _check(results, "adam z2 dp4", "OneBitAdam")
 
 
+def _resume(path):
+    """Train 7 steps, save, train 3; a fresh engine loads the checkpoint and trains 3: the same losses?"""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = (t[rank * MICRO:(rank + 1) * MICRO] for t in _data(world))
+    out = {}
+    for opt, params in (ONEBIT, ZERO_ONE):
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
+               "optimizer": {"type": opt, "params": params}, "zero_optimization": {"stage": 2}}
+
+        def run(engine, n):
+            losses = []
+            for _ in range(n):
+                loss = torch.nn.functional.mse_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            return losses
+
+        first, *_ = microspeed.initialize(model=_mlp(), config=cfg)
+        run(first, 7)
+        first.save_checkpoint(path, tag=opt)
+        after = run(first, 3)
+        second, *_ = microspeed.initialize(model=_mlp(), config=cfg)
+        second.load_checkpoint(path, tag=opt)
+        out[opt] = (after, run(second, 3), second.plugin_state("comm").optimizer.global_step())
+    return out
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_exactly(tmp_path):
+    """Compressed steps after the load equal the uninterrupted run's: the sender errors are checkpointed per rank."""
+    for rank_result in run_distributed(_resume, world_size=2, args=(str(tmp_path),), timeout=240):
+        for opt, (after, resumed, step) in rank_result.items():
+            assert step == 10 and resumed == after, (opt, after, resumed)
+
+
 def _fp16_run():
     import torch.distributed as dist
 
@@ -210,6 +248,17 @@ def test_a_client_onebit_lamb_with_zero_is_refused_when_attached():
     with pytest.raises(microspeed.ConfigError, match=r"^OneBitLamb: cannot step a gradient partitioning: 1-bit LAMB"):
         microspeed.initialize(model=model, optimizer=OneBitLamb(model.parameters(), lr=1e-3),
                               config=_config(zero_optimization={"stage": 1}))
+
+
+def test_a_client_onebit_adam_is_rebuilt_by_zero_with_its_schedule():
+    from microspeed_comm import ZeroOneAdam
+
+    model = _mlp()
+    client = ZeroOneAdam(model.parameters(), lr=1e-3, var_freeze_step=7, var_update_scaler=3, local_step_clipper=1)
+    engine, *_ = microspeed.initialize(model=model, optimizer=client, config=_config(zero_optimization={"stage": 1}))
+    inner = engine.plugin_state("comm").optimizer
+    assert type(inner) is ZeroOneAdam and inner is not client and inner.partitioned
+    assert (inner.var_freeze_step, inner.var_update_scaler, inner.local_step_clipper) == (7, 3, 1)
 
 
 def test_with_zero_the_partition_optimizer_is_attached_and_zero_keeps_reduction():

@@ -129,14 +129,13 @@ class CompressedPartitionedReduce:
     (nothing is compressed again, so it keeps no error). Per call, ``sum_r decode_r = sum_r (x_r + e_r -
     e'_r)``: what one call drops is sent with the next, so the partition gradients summed over steps
     equal the exact ones up to the bounded error buffers. The errors (fp32, one whole padded gradient
-    per segment on every rank) are kept across steps and micro-steps; they are not checkpointed (a
-    loaded run starts from zero errors, as DeepSpeed's 1-bit optimizers do).
+    per segment on every rank) are kept across steps and micro-steps by the capability's provider
+    (``error(key, numel, device)``), which checkpoints them per rank.
     """
 
     def __init__(self, exact: PartitionedReduce, compression: Any, compressed_next: Callable[[], bool]) -> None:
         self.exact, self.codec, self.compressed_next = exact, compression, compressed_next
         self.group, self.world, self.rank = exact.group, exact.world, exact.rank
-        self.errors: dict[Any, torch.Tensor] = {}
         self.layouts: dict[Any, _Layout] = {}
         self.in_flight: dict[int, tuple[torch.Tensor, _Layout]] = {}
         self.last_wire_bytes = 0
@@ -165,10 +164,7 @@ class CompressedPartitionedReduce:
         lay = self.layout(key, wire.numel())
         x = torch.zeros(self.world * lay.chunk, dtype=torch.float32, device=wire.device)
         x.index_copy_(0, lay.dst.to(wire.device), wire.reshape(-1)[lay.src.to(wire.device)].float())
-        name = getattr(key, "index", key)
-        error = self.errors.get(name)
-        if error is None or error.numel() != x.numel():
-            error = self.errors[name] = torch.zeros_like(x)
+        error = self.codec.error(f"zero.segment{getattr(key, 'index', key)}", x.numel(), wire.device)
         bits, scales = self.codec.compress(x, error, lay.block)
         error.index_fill_(0, lay.pad.to(wire.device), 0.0)  # the padding carries no error
         if not bool(torch.isfinite(scales).all()):  # an fp16 overflow: the step is skipped, the error restarts
