@@ -305,16 +305,18 @@ def _in_a_pipeline(configs: dict) -> dict[str, str | None]:
 
 @pytest.mark.slow
 def test_efficiency_features_in_a_pipeline_are_refused_as_declared(matrix):
-    """progressive layer drop, random-LTD and curriculum in a 2-stage pipeline (2 ranks, one job)."""
+    """Progressive layer drop, random-LTD and curriculum, where declared refused in a pipeline: a 2-stage pipeline on
+    2 ranks (one job) raises the declared message, naming the key."""
     from microspeed.testing import run_distributed
 
-    configs = {feature: extra for feature, (_, extra) in IN_A_PIPELINE.items()}
+    # only the declared refusals: a supported pair needs a model the feature can act on (tests/matrix runs those)
+    configs = {feature: extra for feature, (_, extra) in IN_A_PIPELINE.items()
+               if matrix.status(feature, "pipeline-1f1b") is not None}
+    if not configs:
+        pytest.skip("no efficiency feature is refused in a pipeline (tests/matrix checks that they train)")
     for results in run_distributed(_in_a_pipeline, world_size=2, args=(configs,), timeout=180):
         for feature, message in results.items():
             refusal = matrix.status(feature, "pipeline-1f1b")
-            if refusal is None:
-                assert message is None, (feature, message)
-            else:
-                assert message is not None and refusal.message() in message, (feature, message)
-                key = IN_A_PIPELINE[feature][0]
-                assert message.startswith(f"{key} with a pipeline of 2 stages (PipelineModule): "), message
+            assert message is not None and refusal.message() in message, (feature, message)
+            key = IN_A_PIPELINE[feature][0]
+            assert message.startswith(f"{key} with a pipeline of 2 stages (PipelineModule): "), message
