@@ -255,6 +255,18 @@ def microspeed_make_dataloader(engine: Engine, dataset: Any, collate_fn: Any) ->
 # ---------------------------------------------------------------------------------- micro-step
 
 
+@chain("batch")
+@hookspec
+def microspeed_micro_batch(engine: Engine, batch: Any, index: int) -> Any | None:
+    """Chain: a schedule that draws its own micro-batches (a pipeline's ``train_batch``/``eval_batch``) drew
+    micro-batch ``index`` (0-based within the batch) from the data iterator.
+
+    Return the micro-batch changed (the sequence curriculum cuts inputs and labels to its current length,
+    on every stage alike) or ``None`` for unchanged. ``engine.module.training`` says whether the schedule
+    trains. Not called by ``engine(x)``: there :func:`microspeed_before_forward` sees the arguments.
+    """
+
+
 @hookspec
 def microspeed_before_forward(engine: Engine, ctx: StepContext) -> None:
     """Notification: the engine is about to run the model on ``ctx.args`` / ``ctx.kwargs``.

@@ -19,6 +19,11 @@ targets and masks of shape ``(B, T, ...)`` alike, inside tuples, lists and dicts
 one dimension, and those already short enough, pass unchanged. Only a model in training mode is
 touched (evaluation sees full sequences), as in DeepSpeed.
 
+In a pipeline (a ``PipelineModule``) every stage loads every micro-batch; the plugin cuts it there, inputs
+and labels alike, through the core's ``micro_batch`` chain (so the first stage's inputs and the last
+stage's labels agree on the length), and leaves the stages' activations alone. The length may change from
+one step to the next: the pipeline agrees on the activations' shapes once per batch.
+
 The current difficulty is ``engine.plugin_state("curriculum_learning").difficulty`` and
 ``engine.metrics["curriculum_seqlen"]``; it is saved in checkpoints.
 """
@@ -32,7 +37,7 @@ from typing import Any
 import torch
 
 from microspeed.plugin_api import ConfigError, Feature, Field, Refusal, Section, hookimpl
-from microspeed_efficiency.compositions import CURRICULUM_FEATURES, CURRICULUM_REFUSALS, CURRICULUM_WITH_PIPELINE
+from microspeed_efficiency.compositions import CURRICULUM_FEATURES, CURRICULUM_REFUSALS
 from microspeed_efficiency.curriculum import SCHEDULE_TYPES, CurriculumScheduler
 
 NAME = "curriculum_learning"
@@ -94,6 +99,7 @@ class CurriculumPlugin:
         self.scheduler: CurriculumScheduler | None = None
         self.difficulty: Any = None
         self._accepts: tuple[torch.nn.Module, bool] | None = None
+        self._cut_at_load = False
 
     @hookimpl
     def microspeed_config_sections(self) -> dict[str, Section]:
@@ -134,14 +140,31 @@ class CurriculumPlugin:
             self._accepts = (module, accepts_curriculum_seqlen(module))
         return self._accepts[1]
 
-    @hookimpl
-    def microspeed_before_forward(self, engine, ctx) -> None:
-        """Set the difficulty for step ``global_steps + 1``; pass it as ``curriculum_seqlen`` or cut the batch."""
-        if not self.enabled or not engine.module.training:
-            return
+    def _update(self, engine) -> int:
+        """Set the difficulty for step ``global_steps + 1`` and report it; the sequence length."""
         self.difficulty = self.scheduler.update_difficulty(engine.global_steps + 1)
         length = int(self.difficulty)
         engine.metrics["curriculum_seqlen"] = length
+        return length
+
+    @hookimpl
+    def microspeed_micro_batch(self, engine, batch: Any) -> Any:
+        """In a pipeline's training schedule, cut the loaded micro-batch (inputs and labels, on every stage)."""
+        if not self.enabled or not engine.module.training:
+            return None
+        self._cut_at_load = True
+        return truncate_batch(batch, self._update(engine))
+
+    @hookimpl
+    def microspeed_before_forward(self, engine, ctx) -> None:
+        """Set the difficulty for step ``global_steps + 1``; pass it as ``curriculum_seqlen`` or cut the batch.
+
+        Under a schedule that loads its own micro-batches (a pipeline), :meth:`microspeed_micro_batch` already cut
+        them; a stage's forward then receives activations, which are left alone.
+        """
+        if not self.enabled or not engine.module.training or self._cut_at_load:
+            return
+        length = self._update(engine)
         if self._model_accepts(engine.module):
             ctx.kwargs = {**ctx.kwargs, "curriculum_seqlen": length}
         else:
@@ -169,11 +192,3 @@ class CurriculumPlugin:
     def microspeed_refusals(self) -> list[Refusal]:
         """The pairs this plugin refuses at ``initialize()`` (:mod:`microspeed_efficiency.compositions`)."""
         return list(CURRICULUM_REFUSALS)
-
-    @hookimpl
-    def microspeed_after_model_ready(self, model: torch.nn.Module) -> None:
-        """Refuse a pipeline of several stages (``CURRICULUM_WITH_PIPELINE`` in :mod:`.compositions`)."""
-        stages = getattr(model, "num_stages", 1)  # a pipeline's module states its stages
-        if self.enabled and isinstance(stages, int) and stages > 1:
-            raise CURRICULUM_WITH_PIPELINE[0].error(f"{NAME}.enabled with a pipeline of {stages} stages "
-                                                    f"({type(model).__name__})")

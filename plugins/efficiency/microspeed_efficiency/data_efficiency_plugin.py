@@ -80,7 +80,8 @@ class DataEfficiencyPlugin:
         }, doc="data sampling")
         return {NAME: Section({
             "enabled": Field((bool,), False, "turn the data-efficiency library on"),
-            "seed": Field((int,), 1234, "seed of the data sampler", non_negative),
+            "seed": Field((int,), 1234, "seed of the data sampler (and of random-LTD's token draws in a pipeline)",
+                          non_negative),
             "data_sampling": sampling,
             "data_routing": Section(doc="data routing (random-LTD); checked by its plugin", open=True),
         }, doc="data efficiency (microspeed-efficiency)")}

@@ -9,7 +9,10 @@ Keys (type, default: meaning):
 When enabled, every training forward gets ``progressive_layer_drop=True, pld_theta=θ`` as keyword arguments
 (the model does the dropping, see :mod:`microspeed_efficiency.pld`), θ is recomputed after every optimizer step,
 and θ is saved with checkpoints. A model whose forward cannot take those keywords is refused at
-``initialize()``. ``engine.plugin_state("progressive_layer_drop")`` is the
+``initialize()``. In a pipeline, a ``PipelineModule`` hands the keywords to each of its layers whose forward
+names them (on every stage, in every micro-batch of a step, the same θ: it changes only at the optimizer step,
+which all stages take together); a pipeline none of whose layers names them gets a notice that PLD has no effect.
+``engine.plugin_state("progressive_layer_drop")`` is the
 :class:`~microspeed_efficiency.pld.ProgressiveLayerDrop` (``get_theta()``), and ``engine.metrics["pld_theta"]``
 carries θ for the step log.
 """
@@ -20,11 +23,13 @@ from typing import Any
 
 from torch import nn
 
-from microspeed.plugin_api import ConfigError, Feature, Field, Refusal, Section, hookimpl, non_negative
-from microspeed_efficiency.compositions import PLD_FEATURES, PLD_REFUSALS, PLD_WITH_PIPELINE
+from microspeed.plugin_api import ConfigError, Feature, Field, Refusal, Section, get_logger, hookimpl, non_negative
+from microspeed_efficiency.compositions import PLD_FEATURES, PLD_REFUSALS
 from microspeed_efficiency.pld import PLD_KWARGS, ProgressiveLayerDrop, accepts_pld_kwargs
 
 NAME = "progressive_layer_drop"
+
+logger = get_logger("microspeed.pld")
 
 
 def _unit_interval(v: Any) -> str | None:
@@ -61,12 +66,21 @@ class ProgressiveLayerDropPlugin:
 
     @hookimpl
     def microspeed_after_model_ready(self, engine: Any, model: nn.Module) -> None:
-        """Refuse a model whose forward cannot take ``progressive_layer_drop=`` and ``pld_theta=``."""
-        if self.pld is not None and not accepts_pld_kwargs(model.forward):
-            stages = getattr(model, "num_stages", 1)  # a pipeline's module states its stages
-            if isinstance(stages, int) and stages > 1:
-                raise PLD_WITH_PIPELINE[0].error(f"{NAME}.enabled with a pipeline of {stages} stages "
-                                                 f"({type(model).__name__})")
+        """Refuse a model whose forward cannot take ``progressive_layer_drop=`` and ``pld_theta=``.
+
+        A pipeline's module (it has ``layers_accepting``) takes them and hands them to the layers whose forward
+        names them; when none does, a one-line notice says that PLD has no effect.
+        """
+        if self.pld is None:
+            return
+        layers_accepting = getattr(model, "layers_accepting", None)  # a pipeline's module routes keywords to layers
+        if callable(layers_accepting):
+            if not layers_accepting(PLD_KWARGS):
+                logger.warning(f"{NAME}.enabled has no effect: no layer of this {type(model).__name__} names the "
+                               f"keyword arguments {' and '.join(PLD_KWARGS)} in its forward, so none drops itself "
+                               "(give the layers that may be skipped those parameters).")
+            return
+        if not accepts_pld_kwargs(model.forward):
             raise ConfigError(
                 f"{NAME}.enabled: the model's forward ({type(model).__name__}.forward) does not accept the keyword "
                 f"arguments {' and '.join(PLD_KWARGS)} that progressive layer drop passes to it. Give it those "

@@ -15,7 +15,9 @@ in training mode:
 ``require_steps`` optimizer steps and is rounded down to a multiple of ``seq_per_step``. When ``K`` reaches the
 sequence length, and always in eval mode, the layer runs on every token. Each layer draws its own tokens
 from torch's global generator on the hidden states' device, so activation checkpointing (which restores that
-generator before recomputing) redraws the same tokens.
+generator before recomputing) redraws the same tokens. Layers spread over pipeline stages draw instead from a
+:class:`KeyedTokenSampler` (a generator seeded by seed, step, micro-batch and layer), so every stage draws what
+one process would.
 
 The layers are modified with module hooks (:func:`convert_to_random_ltd`), not wrapped in another module, so
 parameter names and checkpoints are the same with and without random-LTD (DeepSpeed's wrapper adds a
@@ -44,6 +46,7 @@ from microspeed.plugin_api import ConfigError
 __all__ = [
     "CONFIG_PATH",
     "KERNELS_ENV",
+    "KeyedTokenSampler",
     "RandomLTD",
     "RandomLTDConfig",
     "RandomLTDLayer",
@@ -242,14 +245,16 @@ def scatter_tokens(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, batc
 
 
 def sample_token_indices(reserved: int, seq_len: int, batch_size: int,
-                         device: torch.device | str | None = None) -> torch.Tensor:
+                         device: torch.device | str | None = None,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
     """``reserved`` distinct positions of ``range(seq_len)`` per sample, uniformly drawn and sorted.
 
-    Draws from torch's global generator of ``device``. Returns ``[batch_size, reserved]`` int64.
+    Draws from ``generator`` (on ``device``), by default torch's global generator of ``device``. Returns
+    ``[batch_size, reserved]`` int64.
     """
     if not 0 < reserved <= seq_len:
         raise ValueError(f"reserved: expected 0 < reserved <= seq_len={seq_len}, got {reserved}")
-    scores = torch.rand(batch_size, seq_len, device=device)
+    scores = torch.rand(batch_size, seq_len, device=device, generator=generator)
     return scores.topk(reserved, dim=1, sorted=False).indices.sort(dim=1).values
 
 
@@ -507,6 +512,63 @@ def _parse_schedule(path: str, given: Any) -> RandomLTDSchedule:
 # -- installing random-LTD on layers -----------------------------------------------------------------------------
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from integers (splitmix64 over each in turn): nearby keys give unrelated seeds."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h >> 1
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (an activation checkpoint recomputes)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class KeyedTokenSampler:
+    """Draws each layer's kept tokens from a generator seeded by ``(seed, step, micro-batch, layer)``.
+
+    With the global generator (the default of :class:`RandomLTDLayer`), which tokens a layer keeps depends on
+    every draw made before it in the process. When a model's layers are spread over processes (pipeline stages)
+    that run micro-batches in another order than one process would, the draws must depend on the micro-batch
+    and the layer alone: this sampler counts each layer's training forwards since :meth:`start_step` (the
+    ``n``-th is micro-batch ``n``: every schedule runs one layer's micro-batches in order) and seeds a fresh
+    generator from ``(seed, step, n, layer key)``. Forwards that run inside a backward are activation
+    checkpoints recomputing; they are counted apart (backwards also run a layer's micro-batches in order), so
+    a recompute redraws its forward's tokens.
+
+    Attributes:
+        seed: the run's seed; processes that must agree use the same one.
+        step: the optimizer step the counts belong to.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.step = int(seed), 0
+        self._counts: dict[int, list[int]] = {}
+
+    def start_step(self, step: int) -> None:
+        """Begin step ``step``: every layer's next forward is micro-batch 0 again."""
+        self.step = int(step)
+        self._counts.clear()
+
+    def draw(self, key: int, reserved: int, seq_len: int, batch_size: int, device: torch.device) -> torch.Tensor:
+        """The kept positions ``[batch_size, reserved]`` for the next forward of the layer ``key``."""
+        counts = self._counts.setdefault(key, [0, 0])
+        slot = 1 if _in_backward() else 0
+        micro_batch = counts[slot]
+        counts[slot] += 1
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_mix(self.seed, self.step, micro_batch, key))
+        return sample_token_indices(reserved, seq_len, batch_size, device=device, generator=generator)
+
+
 class RandomLTDLayer:
     """Random-LTD installed on one layer with module hooks: gather before it, scatter after it.
 
@@ -520,11 +582,15 @@ class RandomLTDLayer:
         batch_first: the hidden states are ``[B, S, H]`` (else ``[S, B, H]``).
         model_type: ``"decoder"`` or ``"encoder"``.
         mask_name: the layer's mask keyword argument, or ``None``.
+        sampler: a :class:`KeyedTokenSampler` the tokens are drawn from (with ``key``), or ``None``: torch's
+            global generator.
+        key: the layer's key in ``sampler`` (its index in the model's layer list).
         last_tokens: how many tokens per sample the layer processed in its latest call (``None`` before).
     """
 
     def __init__(self, module: nn.Module, name: str, scheduler: RandomLTDScheduler, *, batch_first: bool = True,
-                 model_type: str = "decoder", mask_name: str | None = None) -> None:
+                 model_type: str = "decoder", mask_name: str | None = None,
+                 sampler: KeyedTokenSampler | None = None, key: int = 0) -> None:
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type: expected one of {MODEL_TYPES}, got {model_type!r}")
         if getattr(module, "_microspeed_random_ltd", None) is not None:
@@ -532,6 +598,7 @@ class RandomLTDLayer:
                              "call .remove() on its RandomLTD handle first")
         self.module, self.name, self.scheduler = module, name, scheduler
         self.batch_first, self.model_type, self.mask_name = batch_first, model_type, mask_name
+        self.sampler, self.key = sampler, key
         self.last_tokens: int | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self._handles = [module.register_forward_pre_hook(self._before, with_kwargs=True),
@@ -550,7 +617,10 @@ class RandomLTDLayer:
             self._pending.append(None)
             self.last_tokens = seq
             return None
-        idx = sample_token_indices(keep, seq, batch, device=hidden.device)
+        if self.sampler is None:
+            idx = sample_token_indices(keep, seq, batch, device=hidden.device)
+        else:
+            idx = self.sampler.draw(self.key, keep, seq, batch, hidden.device)
         part = gather_tokens(hidden, idx, self.batch_first)
         if self.mask_name is not None:
             if self.mask_name not in kwargs:
@@ -633,6 +703,7 @@ def convert_to_random_ltd(
     model_type: str = "decoder",
     hidden_state_order: str = "batch_seq_dim",
     mask_name: str | None = None,
+    sampler: KeyedTokenSampler | None = None,
 ) -> RandomLTD:
     """Make layers of ``model`` drop tokens in training (see the module docstring); returns the handle.
 
@@ -647,6 +718,8 @@ def convert_to_random_ltd(
         model_type: ``"decoder"`` or ``"encoder"``: how a mask is cut (:func:`gather_attention_mask`).
         hidden_state_order: ``"batch_seq_dim"`` or ``"seq_batch_dim"``.
         mask_name: the layers' attention-mask keyword argument, or ``None``.
+        sampler: draw the tokens from this :class:`KeyedTokenSampler` (each layer keyed by its integer id, or
+            by its position among the chosen layers when named) instead of torch's global generator.
 
     The layers' parameters keep their names (module hooks, no wrapper module). ``handle.remove()`` undoes it.
     """
@@ -688,12 +761,14 @@ def convert_to_random_ltd(
             raise ValueError(f"layer_ids: expected layer indices or module names, got {lid!r}")
     if len(chosen) != len(layer_ids) or len({id(m) for m in chosen.values()}) != len(chosen):
         raise ValueError(f"layer_ids: {list(layer_ids)} names a layer twice")
+    keys = {name: lid if _is_int(lid) else i for i, (name, lid) in enumerate(zip(chosen, layer_ids, strict=True))}
     order = {name: i for i, name in enumerate(modules)}
     converted: list[RandomLTDLayer] = []
     try:
         for name in sorted(chosen, key=order.__getitem__):
             converted.append(RandomLTDLayer(chosen[name], name, scheduler, batch_first=hidden_state_order ==
-                                            "batch_seq_dim", model_type=model_type, mask_name=mask_name))
+                                            "batch_seq_dim", model_type=model_type, mask_name=mask_name,
+                                            sampler=sampler, key=keys[name]))
     except ValueError:
         for layer in converted:
             layer.remove()

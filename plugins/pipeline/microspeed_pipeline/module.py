@@ -14,6 +14,7 @@ With ``num_chunks = v > 1`` each rank holds ``v`` non-adjacent parts (virtual st
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -124,6 +125,31 @@ def _count_params(spec: Any) -> int:
             module = spec.build()
         return sum(p.numel() for p in module.parameters() if p.requires_grad)
     return 0
+
+
+_KEYWORDS: dict[Any, frozenset[str]] = {}
+
+
+def _keyword_names(layer: Any) -> frozenset[str]:
+    """The keyword-capable parameter names of a layer's forward (a module, a LayerSpec's class or a callable)."""
+    method = isinstance(layer, (LayerSpec, nn.Module))  # the class's forward: self, then the activations
+    target = layer.typename.forward if isinstance(layer, LayerSpec) else (
+        type(layer).forward if isinstance(layer, nn.Module) else layer)
+    try:
+        return _KEYWORDS[target]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = frozenset(p.name for p in params[2 if method else 1:]  # not those taking self and the activations
+                      if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+    try:
+        _KEYWORDS[target] = names
+    except TypeError:
+        pass
+    return names
 
 
 def _layer_name(spec: Any) -> str:
@@ -357,25 +383,43 @@ class PipelineModule(nn.Module):
             return all(_layer_name(f) in self.checkpointable_layers for f in funcs)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
 
-    def _run_layers(self, funcs: list[tuple[int, Any]], x: Any) -> Any:
+    def _run_layers(self, funcs: list[tuple[int, Any]], x: Any, kwargs: dict[str, Any] | None = None) -> Any:
         for _idx, f in funcs:
             if isinstance(f, TiedLayerSpec):
                 module = self.tied_modules[f.key]
                 x = f.forward_fn(module, x) if f.forward_fn is not None else module(x)
             else:
-                x = f(x)
+                named = {k: v for k, v in kwargs.items() if k in _keyword_names(f)} if kwargs else {}
+                x = f(x, **named)
         return x
 
-    def forward(self, forward_input: Any, chunk: int = 0) -> Any:
-        """Run this rank's layers of ``chunk`` on ``forward_input`` (with this module's grid in effect)."""
-        with using_grid(self._grid):
-            return self._forward(forward_input, chunk)
+    def layer_names(self) -> list[str]:
+        """The class name of every layer (all stages), in order: what ``partition_method="type:..."`` matches."""
+        return [_layer_name(spec) for spec in self._layer_specs]
 
-    def _forward(self, forward_input: Any, chunk: int) -> Any:
+    def layers_accepting(self, names: Sequence[str]) -> list[int]:
+        """Global indices of the layers (all stages) whose forward names every keyword argument in ``names``.
+
+        Those layers receive them when a plugin passes them to :meth:`forward` (progressive layer drop's
+        ``progressive_layer_drop`` / ``pld_theta``); tied layers and ``**kwargs`` do not count.
+        """
+        return [i for i, spec in enumerate(self._layer_specs)
+                if not isinstance(spec, TiedLayerSpec) and set(names) <= _keyword_names(spec)]
+
+    def forward(self, forward_input: Any, chunk: int = 0, **kwargs: Any) -> Any:
+        """Run this rank's layers of ``chunk`` on ``forward_input`` (with this module's grid in effect).
+
+        Keyword arguments (a plugin's, e.g. progressive layer drop's ``pld_theta``) go to each layer whose
+        forward names them (:meth:`layers_accepting`); the others receive only the activations.
+        """
+        with using_grid(self._grid):
+            return self._forward(forward_input, chunk, kwargs)
+
+    def _forward(self, forward_input: Any, chunk: int, kwargs: dict[str, Any] | None = None) -> Any:
         funcs = self._funcs[chunk]
         interval = self.activation_checkpoint_interval
         if interval == 0 or not torch.is_grad_enabled():
-            return self._run_layers(funcs, forward_input)
+            return self._run_layers(funcs, forward_input, kwargs)
         ckpt = self.activation_checkpoint_func
         if ckpt is None:
             from microspeed_pipeline.checkpointing import checkpoint, non_reentrant_checkpoint
@@ -391,9 +435,9 @@ class PipelineModule(nn.Module):
             real = [self.tied_modules[f.key] if isinstance(f, TiedLayerSpec) else f for _, f in piece]
             if self._is_checkpointable(real):
                 args = x if isinstance(x, tuple) else (x,)
-                x = ckpt(lambda *a, piece=piece: self._run_layers(piece, a if len(a) > 1 else a[0]), *args)
+                x = ckpt(lambda *a, piece=piece: self._run_layers(piece, a if len(a) > 1 else a[0], kwargs), *args)
             else:
-                x = self._run_layers(piece, x)
+                x = self._run_layers(piece, x, kwargs)
         return x
 
     # -- introspection -----------------------------------------------------------------

@@ -3,10 +3,11 @@
 The schedule (:mod:`microspeed_pipeline.schedule`) is a list of instructions for this rank; the
 runtime gives each kind its meaning, and nothing else decides the order:
 
-* ``LoadMicroBatch``: draw the micro-batch from the data iterator (the first stage keeps its
-  inputs, the last its labels);
+* ``LoadMicroBatch``: draw the micro-batch from the data iterator and pass it through the core's
+  ``micro_batch`` chain (the first stage keeps its inputs, the last its labels);
 * ``ForwardPass``: run this rank's layers of the chunk (between the core's ``before_forward`` and
-  ``after_forward`` notifications); the last virtual stage computes the loss;
+  ``after_forward`` notifications; keyword arguments a plugin adds to ``ctx.kwargs`` go to the layers
+  whose forward names them); the last virtual stage computes the loss;
 * ``BackwardPass``: between ``before_backward`` and ``after_backward``, the last virtual stage
   scales the loss through the core's ``scale_loss`` chain (gradient accumulation, fp16 loss
   scale) and runs the core's ``backward``; the others back-propagate the gradient they received;
@@ -101,10 +102,12 @@ class PipelineRuntime:
     def _load(self, mb: int) -> None:
         if mb not in self.batches:
             try:
-                self.batches[mb] = next(self.data_iter)
+                batch = next(self.data_iter)
             except StopIteration:
                 raise RuntimeError(f"pipeline: the data iterator ran out at micro-batch {mb + 1}; pass a longer (or "
                                    f"repeating: microspeed.RepeatingLoader) iterator.") from None
+            # every stage loads every micro-batch: a plugin that changes it (curriculum) does so alike on all
+            self.batches[mb] = self.engine.hook.microspeed_micro_batch(engine=self.engine, batch=batch, index=mb)
 
     def _split(self, batch: Any) -> tuple[Any, Any]:
         if isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -128,7 +131,7 @@ class PipelineRuntime:
         engine = self.engine
         engine.ctx = ctx = StepContext(args=(x,), boundary=True)
         engine.hook.microspeed_before_forward(engine=engine, ctx=ctx)
-        ctx.outputs = self.module(*ctx.args, chunk=chunk)
+        ctx.outputs = self.module(*ctx.args, chunk=chunk, **ctx.kwargs)  # keywords reach the layers naming them
         engine.hook.microspeed_after_forward(engine=engine, ctx=ctx)
         out = ctx.outputs
         if self._is_last_virtual(chunk):
