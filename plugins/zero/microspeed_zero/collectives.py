@@ -211,8 +211,10 @@ class _Layout:
         spans = list(zip(getattr(segment, "offsets", [0]), getattr(segment, "numels", [numel]), strict=True))
         rows = [[(max(o, q * shard), min(o + n, (q + 1) * shard)) for o, n in spans
                  if max(o, q * shard) < min(o + n, (q + 1) * shard)] for q in range(world)]
-        smallest = min((hi - lo for row in rows for lo, hi in row), default=64)
-        self.block = min(max_block, max(64, 1 << (max(smallest, 1).bit_length() - 1)))
+        # the block: a power of two no longer than the median piece (a chunk boundary may leave a few values of a
+        # parameter as a piece of their own; they get a padded block rather than shrinking every block)
+        pieces = sorted(hi - lo for row in rows for lo, hi in row) or [64]
+        self.block = min(max_block, max(64, 1 << (pieces[len(pieces) // 2].bit_length() - 1)))
         blk = self.block
         lengths = [sum(-(-(hi - lo) // blk) * blk for lo, hi in row) for row in rows]
         self.chunk = max(max(lengths), blk)
