@@ -176,8 +176,9 @@ class RandomLTDPlugin:
                                            sampler=self.sampler)
         except ValueError as exc:
             raise ConfigError(f"{CONFIG_PATH}.random_ltd_layer_id: {exc}") from None
-        for layer in handle.layers:
-            layer.key = int(layer.name)  # the global layer index: the same key on whichever stage runs it
+        position = {index: i for i, index in enumerate(layers)}
+        for layer in handle.layers:  # keyed by its random_ltd_layer_id: the same on whichever stage runs it
+            layer.key = position[int(layer.name)]
         return handle
 
     @hookimpl
