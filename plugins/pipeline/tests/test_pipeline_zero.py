@@ -125,12 +125,39 @@ def test_zero2_and_zero3_pp2_dp2_1f1b():
 
 @pytest.mark.slow
 def test_zero2_and_zero3_pp2_dp2_interleaved():
-    runs = [("mlp", 2, 2, None), ("mlp", 3, 2, None), ("tied", 2, 2, None), ("tied", 3, 2, None)]
+    # ignore_unused_parameters false: each backward uses one chunk's layers, the window uses them all
+    runs = [("mlp", 2, 2, {"ignore_unused_parameters": False}), ("mlp", 3, 2, None), ("tied", 2, 2, None),
+            ("tied", 3, 2, None)]
     results = run_distributed(_run, world_size=4, args=(runs,), timeout=180)
     _check(results, dp=2)
     # each chunk's forward keeps its own recorded order, so prefetching follows the schedule across chunks:
     # 23 gathers found in flight on rank 0 (9 when every forward overwrote the one recorded order)
     assert results[0]["tied-z3-c2"]["prefetched"] >= 20, results[0]["tied-z3-c2"]
+
+
+def _unused(stage: int) -> str:
+    import microspeed
+
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": stage, "ignore_unused_parameters": False}}
+    engine, *_ = microspeed.initialize(model=model, config=cfg)
+    try:
+        for _ in range(2):
+            engine.backward(engine.module["used"](torch.randn(2, 4)).square().mean())
+            engine.step()
+    except RuntimeError as exc:
+        return f"{engine.micro_steps}: {exc}"
+    return "accepted"
+
+
+@pytest.mark.slow
+def test_unused_parameters_are_found_over_the_accumulation_window():
+    for stage in (2, 3):
+        said = run_distributed(_unused, world_size=1, args=(stage,), timeout=120)[0]
+        assert said.startswith("1: ") and "['unused.weight', 'unused.bias']" in said.replace(
+            "'unused.bias', 'unused.weight'", "'unused.weight', 'unused.bias'"), said
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ class ZeroRuntime:
         self.swapper: Any = None
         self.optimized: list[Segment] = []
         self.precision: LossScaling | None = engine.capabilities.get(LossScaling)
+        self.used: set[int] = set()  # ignore_unused_parameters false: parameters with a gradient in this window
         self.ties: list[tuple[GradientSum, Segment]] = []  # segments of marked (tied) parameters, in key order
         self._norm_runs: dict[int, list[tuple[int, int, NormRule | None]]] | None = None
 
@@ -251,6 +252,8 @@ class ZeroRuntime:
     def _on_grad(self, param: torch.Tensor) -> None:
         if self.stage == 1 and (self.accumulate_fp32 or not self.engine.ctx.reduce):
             return  # stage 1 reduces once per window; with fp32 accumulation, after the window
+        if not self.cfg.ignore_unused_parameters:
+            self.used.add(id(param))
         self.reducer.grad_ready(param)
 
     def _install_wait_hooks(self) -> None:
@@ -296,13 +299,6 @@ class ZeroRuntime:
                             view.add_(p.grad.view_as(view))
                             p.grad = None
             return
-        if not self.cfg.ignore_unused_parameters:
-            unused = [seg.names[i] for seg in self.segments if seg.index not in self.reducer.launched
-                      for i, p in enumerate(seg.params) if p.requires_grad and p.grad is None]
-            if unused:
-                raise RuntimeError(f"zero_optimization.ignore_unused_parameters is false and these parameters got "
-                                   f"no gradient in this backward: {unused[:10]}. Use them in forward, freeze them "
-                                   f"(requires_grad=False), or set ignore_unused_parameters true.")
         self.reducer.flush()
         if self.stage3 is not None:
             self.stage3.after_backward()
@@ -312,6 +308,15 @@ class ZeroRuntime:
         reduced shards of marked (tied) parameters over their :class:`GradientSum` groups."""
         if self.stage == 1:
             self.reducer.flush()
+        elif not self.cfg.ignore_unused_parameters:
+            # over the whole accumulation window: a pipeline's chunk uses only its own layers in each backward
+            unused = [seg.names[i] for seg in self.segments for i, p in enumerate(seg.params)
+                      if p.requires_grad and id(p) not in self.used]
+            self.used.clear()
+            if unused:
+                raise RuntimeError(f"zero_optimization.ignore_unused_parameters is false and these parameters got "
+                                   f"no gradient in this accumulation window: {unused[:10]}. Use them in forward, "
+                                   f"freeze them (requires_grad=False), or set ignore_unused_parameters true.")
         for mark, seg in self.ties:
             if seg.index in self.acc and len(mark.ranks) > 1:
                 comm.all_reduce(self.local_grads(seg), group=mark.group)
