@@ -63,19 +63,23 @@ def _engine_losses(opt, params, zero, gas=1):
     engine, *_ = microspeed.initialize(model=_mlp(), config=cfg)
     x, y = (t[rank * MICRO:(rank + 1) * MICRO] for t in _data(world))
     m = MICRO // gas
-    losses, exact = [], []
+    from microspeed import comm
+
+    losses, exact, sent = [], [], []
     stepper = engine.plugin_state("comm").optimizer
     for _ in range(STEPS):
         exact.append(stepper.full_precision_gradients_next())
+        comm.stats.reset()
         total = torch.zeros(())
         for k in range(gas):
             loss = torch.nn.functional.mse_loss(engine(x[k * m:(k + 1) * m]), y[k * m:(k + 1) * m])
             engine.backward(loss)
             engine.step()
             total += loss.detach() / gas
+        sent.append(comm.stats.wire.get("all_to_all_single", 0))  # the gradient exchange (gloo's reduce-scatter)
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return {"losses": losses, "exact": exact, "partitioned": stepper.partitioned}
+    return {"losses": losses, "exact": exact, "partitioned": stepper.partitioned, "sent": sent}
 
 
 def _uncompressed_losses(opt, params, alone):
@@ -122,6 +126,9 @@ def _check(results, name, opt):
     compressed = [abs(a - b) / b for a, b in zip(losses[warm:warm + 5], ref[warm:warm + 5], strict=True)]
     assert max(compressed) < COMPRESSED_TOL, (name, compressed)
     assert 0 < max(compressed), f"{name}: compressed steps equal the uncompressed run exactly (not compressed?)"
+    full = [b for b, e in zip(run["sent"], exact, strict=True) if e]
+    packed = [b for b, e in zip(run["sent"], exact, strict=True) if not e]
+    assert min(full) > 8 * max(packed) > 0, (name, run["sent"])  # signs + scales: ~1/30 here (tiny, padded)
     best, best_plain = min(losses[-4:]), min(plain[-4:])
     assert best < 0.5 * losses[0] and best <= CONVERGE_RATIO * best_plain, (name, losses, plain)
 
