@@ -62,6 +62,8 @@ class Recipe:
         exact_steps / band: compression: the first ``exact_steps`` losses are compared at ``rtol``, later ones
             within ``band`` (relative).
         tolerance_why: why the tolerance is not :data:`FP32_RTOL`.
+        pipeline_reference: when set (the reason), a pair of this feature with a pipeline is compared with the same
+            layers as a one-stage pipeline in one process, not as one plain module.
     """
 
     feature: str
@@ -80,6 +82,7 @@ class Recipe:
     exact_steps: int | None = None
     band: float | None = None
     tolerance_why: str = ""
+    pipeline_reference: str = ""
 
 
 def _zero(stage: int) -> Recipe:
@@ -130,7 +133,11 @@ RECIPES: dict[str, Recipe] = {r.feature: r for r in [
            config={"activation_checkpointing": {"partition_activations": False}}),
     Recipe("sparse-attention", algorithmic=True, config={"sparse_attention": {
         "mode": "fixed", "block": 16, "num_local_blocks": 1, "num_global_blocks": 1, "attention": "unidirectional"}}),
-    Recipe("random-ltd", algorithmic=True, config={"data_efficiency": {"enabled": True, "data_routing": {
+    Recipe("random-ltd", algorithmic=True, pipeline_reference=(
+        "random-LTD in a pipeline draws each layer's kept tokens from a generator keyed by (seed, step, micro-batch, "
+        "layer), so that every stage draws alike; one plain module draws from torch's global generator (as "
+        "DeepSpeed's does), so the reference is the same layers as a one-stage pipeline"),
+        config={"data_efficiency": {"enabled": True, "data_routing": {
         "enabled": True, "random_ltd": {
             "enabled": True, "total_layer_num": 2, "random_ltd_layer_num": 1, "random_ltd_layer_id": [1],
             "model_mask_name": None, "model_type": "decoder", "hidden_state_order": "batch_seq_dim",
@@ -192,6 +199,7 @@ class Plan:
         config / model: the run's ds_config and model; ref_config / ref_model: the single-process reference's.
         steps, rtol, exact_steps, band, tolerance_why: the most steps, the loosest tolerances of the two recipes.
         unexpressible: why one config cannot hold both features (None when it can).
+        ref_pipelined: the reference is a one-stage pipeline (a recipe's ``pipeline_reference``), not one module.
     """
 
     features: tuple[str, str]
@@ -210,6 +218,7 @@ class Plan:
     band: float | None = None
     tolerance_why: str = ""
     unexpressible: str | None = None
+    ref_pipelined: bool = False
 
     @property
     def key(self) -> str:
@@ -223,7 +232,7 @@ class Plan:
 
     def reference_key(self) -> str:
         """Plans with equal keys share one reference run."""
-        return repr((sorted(self.ref_config.items(), key=str), self.ref_model))
+        return repr((sorted(self.ref_config.items(), key=str), self.ref_model, self.ref_pipelined))
 
 
 def plan_pair(a: str, b: str) -> Plan:
@@ -262,7 +271,9 @@ def plan_pair(a: str, b: str) -> Plan:
     kept = [r for r in both if r.algorithmic]
     ref_config = merged_config(kept, N_MICRO)
     ref_model = _model(kept, 1)
-    return Plan(**common, config=config, model=model, ref_config=ref_config, ref_model=ref_model)
+    ref_pipelined = pp > 1 and any(r.pipeline_reference for r in kept)
+    return Plan(**common, config=config, model=model, ref_config=ref_config, ref_model=ref_model,
+                ref_pipelined=ref_pipelined)
 
 
 def compare_losses(plan: Plan, losses: list[float], reference: list[float]) -> str | None:

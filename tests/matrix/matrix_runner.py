@@ -67,7 +67,7 @@ def _train(plan: Plan, folder: str) -> list[float]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     spec: ModelSpec = plan.model
     mpu = None
-    pipelined = plan.pp > 1
+    pipelined = plan.pp > 1 or plan.ref_pipelined  # a reference with ref_pipelined: a one-stage pipeline
     try:
         if pipelined:
             topo = PipeModelDataParallelTopology(num_pp=plan.pp, num_mp=plan.tp, num_dp=world // (plan.pp * plan.tp))

@@ -30,14 +30,7 @@ from matrix_runner import MatrixResult, run_matrix
 
 from microspeed.plugin_api import composition_matrix
 
-_RANDOM_LTD_PIPELINE = ("random-LTD in a pipeline draws its tokens from a sampler keyed by (seed, step, micro-batch, "
-                        "layer), the same model as one module from torch's global generator, so the pipeline cannot "
-                        "equal the single-module run (relative 1.9e-4 at step 0, 3.6e-3 at step 2)")
-
-KNOWN_MISMATCHES: dict[str, str] = {
-    "pipeline-1f1b+random-ltd": _RANDOM_LTD_PIPELINE,
-    "pipeline-interleaved+random-ltd": _RANDOM_LTD_PIPELINE,
-}
+KNOWN_MISMATCHES: dict[str, str] = {}
 """Pairs declared supported that do not match their reference today: ``"a+b"`` -> what differs. They run as
 ``xfail(strict=True)``, so they stay visible and the entry must go when the pair is fixed."""
 
