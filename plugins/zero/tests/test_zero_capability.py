@@ -22,8 +22,8 @@ def _engine(stage: int, **extra):
 def test_zero_states_gradient_partitioning_and_claims_typed_roles(stage):
     engine = _engine(stage)
     assert engine.capabilities.get(GradientPartitioning) == GradientPartitioning(
-        stage=stage, keeps_replica_groups=stage < 3, config_key="zero_optimization.stage",
-        disable_hint="set zero_optimization.stage to 0")
+        stage=stage, keeps_replica_groups=True, config_key="zero_optimization.stage",
+        disable_hint="set zero_optimization.stage to 0", sums_marked_gradients=True, honours_norm_rules=True)
     assert engine.capabilities.provider(GradientPartitioning) == "zero"
     assert engine.owner(Role.GRADIENT_REDUCTION) == "zero" and engine.owner(Role.OPTIMIZER_STEP) == "zero"
     assert not hasattr(engine.plugin_state("zero"), "supports_replica_groups")  # no attribute coordination
