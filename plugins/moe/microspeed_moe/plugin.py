@@ -29,7 +29,10 @@ the stages over the slice group.
 
 Checkpoints need nothing more: experts are named by global index (see
 :mod:`microspeed_moe.experts`), so the core's union of the ranks' names is the whole model, and a
-checkpoint saved with ``ep_size`` 2 loads with 1 or 4.
+checkpoint saved with ``ep_size`` 2 loads with 1 or 4. ``save_16bit_model`` writes rank 0's dict
+only: ``consolidated_state_dict`` (a wrapper around whoever consolidates the rest — the default
+``module.state_dict()`` or ZeRO stage 3's gather) brings every rank's experts to rank 0 under their
+global names (:mod:`microspeed_moe.consolidate`), so the file loads into a model with any ``ep_size``.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from microspeed.plugin_api import (
     hookimpl,
 )
 from microspeed_moe.compositions import FEATURES, MOE_WITH_FP32_ACCUMULATION, REFUSALS
+from microspeed_moe.consolidate import expert_prefixes, gather_experts
 from microspeed_moe.groups import ExpertGroups, make_expert_groups
 from microspeed_moe.layer import MoE
 
@@ -61,6 +65,7 @@ class MoEPlugin:
     def __init__(self) -> None:
         self.layers: list[MoE] = []
         self.expert_params: list[tuple[torch.nn.Parameter, ExpertGroups]] = []
+        self.spread = False
 
     @hookimpl
     def microspeed_setup(self, engine: Any) -> None:
@@ -73,7 +78,7 @@ class MoEPlugin:
         """
         topo = engine.topology
         self.layers = [m for m in engine.module.modules() if isinstance(m, MoE)]
-        spread = topo.model_parallel_size > 1
+        spread = self.spread = topo.model_parallel_size > 1
         if not self.layers and not spread:
             return
         dp_group = topo.data_parallel_group if topo.data_parallel_size != topo.world_size else None
@@ -135,6 +140,30 @@ class MoEPlugin:
                 if world > 1:
                     p.grad.div_(world)
         return result
+
+    @hookimpl(wrapper=True)
+    def microspeed_consolidated_state_dict(self, engine: Any) -> Any:
+        """Around whoever consolidates the rest: every rank's experts gathered to rank 0, by global index.
+
+        Without a consolidator each rank's own state dict holds its experts whole (the default);
+        a partitioner (ZeRO stage 3) returns, on ranks other than 0, the whole parameters of which
+        it holds the first copy in their replica group. Collective: every rank of an engine with
+        MoE layers (or of a grid, whose stages may lack them) joins. A refusal passes through.
+        """
+        result = yield
+        if not (self.layers or self.spread) or (result is not None and "__skip__" in result):
+            return result
+        experts = [layer.deepspeed_moe.experts for layer in self.layers]
+        prefixes = expert_prefixes(engine.module, experts)
+        if result is None:
+            local = engine.module.state_dict()
+        else:  # a partitioner's answer: its tensors, plus the experts' buffers (never partitioned)
+            local = dict(result)
+            buffers = {n for n, _ in engine.module.named_buffers()}
+            for k, v in engine.module.state_dict().items():
+                if k in buffers and k not in local and prefixes and k.startswith(prefixes):
+                    local[k] = v
+        return gather_experts(local, prefixes)
 
     @hookimpl
     def microspeed_grad_norm_rules(self, engine: Any) -> dict[str, NormRule] | None:

@@ -572,17 +572,23 @@ class ZeroRuntime:
         return out
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
-        """Stage 3: the module's whole state dict on data-parallel rank 0 (``{}`` elsewhere), one segment at a time."""
+        """Stage 3: the module's whole state dict on data-parallel rank 0, one segment at a time.
+
+        Elsewhere: the whole parameters of which this rank holds the first copy in their
+        :class:`ReplicaGroup` (experts, which rank 0 may not hold; ``{}`` without such), for the
+        plugin that made them to gather to rank 0 (the core writes rank 0's dict only).
+        """
         self.stage3.wait_all()
         whole: dict[int, torch.Tensor] = {}
         for seg in self.segments:
             self.stage3.fetch(seg.index)
-            if self.rank == 0:
-                for p in seg.params:
+            for p in seg.params:
+                if self.rank == 0 or _first_copy(p):
                     whole[id(p)] = p.detach().cpu().clone()
             self.stage3.release(seg.index)
         if self.rank != 0:
-            return {}
+            return {k: whole[id(p)] for k, p in self.engine.module.named_parameters(remove_duplicate=False)
+                    if id(p) in whole}
         by_name = dict(self.engine.module.named_parameters(remove_duplicate=False))
         out = {}
         for k, v in self.engine.module.state_dict(keep_vars=True).items():
@@ -624,3 +630,9 @@ class ZeroRuntime:
             out["optimizer_states_nvme"] = self.swapper.bytes_on_disk()
             out["optimizer_states"] += self.swapper.resident_bytes()
         return out
+
+
+def _first_copy(param: torch.Tensor) -> bool:
+    """Whether ``param`` carries a replica group whose first rank is this one (it writes that copy)."""
+    rg = replica_group(param)
+    return rg is not None and rg.rank == 0
