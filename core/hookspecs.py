@@ -535,9 +535,11 @@ def microspeed_load_optimizer_state(engine: Engine, saved: dict[str, Any] | None
 
 @hookspec(firstresult=True)
 def microspeed_consolidated_state_dict(engine: Engine) -> dict[str, Any] | None:
-    """Who returns the module's whole state dict on rank 0 for ``save_16bit_model`` (others: ``{}``).
+    """Who returns the module's whole state dict on rank 0 for ``save_16bit_model``.
 
-    Every rank calls it (gathering may be collective). Default: ``engine.module.state_dict()``.
+    Every rank calls it (gathering may be collective); the engine writes rank 0's answer. Other ranks
+    return ``{}``, or tensors only they hold (the first copies of a replica group's parameters, such as
+    experts) for a wrapper to bring to rank 0. Default: ``engine.module.state_dict()``.
     Return ``{"__skip__": reason}`` to refuse (the engine then warns and returns ``False``).
     """
 
