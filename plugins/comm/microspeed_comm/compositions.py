@@ -25,15 +25,8 @@ NVMe step runs Adam only)."""
 
 ZERO_FEATURES = ("zero-1", "zero-2", "zero-3", "offload-cpu")
 """The ZeRO features a 1-bit optimizer steps through: ZeRO takes the comm plugin's compressed reduce-scatter
-(the GradientCompression capability) and steps the same optimizer on its partitions."""
-
-LAMB_WITH_ZERO = refuse_pairs(
-    ("onebit-lamb",), ZERO_FEATURES + ("offload-nvme",),
-    reason="1-bit LAMB scales each parameter's update by a trust ratio ||w||/||update|| and a compression-stage "
-           "factor max(frozen/fresh denominator) that are functions of the whole parameter, while ZeRO steps flat "
-           "slices that cut parameters apart, so the ratios of the slices are not the parameter's",
-    instead="use OneBitAdam or ZeroOneAdam with ZeRO, or OneBitLamb with zero_optimization.stage 0")
-"""1-bit LAMB with ZeRO."""
+(the GradientCompression capability) and steps the same optimizer on its partitions (1-bit LAMB sums its
+whole-parameter norms over the group from the slices' ``partition_pieces``)."""
 
 LOCAL_STEPS_WITH_ZERO = refuse_pairs(
     ("zero-one-adam",), ZERO_FEATURES,
@@ -51,5 +44,5 @@ ONEBIT_WITH_MOE = refuse_pairs(
     instead="use Adam (with ZeRO stage 1 or 2 if you like) for a model with MoE layers")
 """The 1-bit optimizers with MoE layers."""
 
-REFUSALS = LAMB_WITH_ZERO + LOCAL_STEPS_WITH_ZERO + ONEBIT_WITH_MOE
+REFUSALS = LOCAL_STEPS_WITH_ZERO + ONEBIT_WITH_MOE
 """Everything the ``comm`` plugin refuses."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from microspeed.plugin_api import comm
 from microspeed_comm.compressed import DEFAULT_BLOCK_SIZE
 from microspeed_comm.onebit import OneBitOptimizer, check_number
 
@@ -59,12 +60,14 @@ class OneBitLamb(OneBitOptimizer):
         check_number("factor_threshold", factor_threshold, 0.0)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
                     "weight_decay": weight_decay, "eps_inside_sqrt": bool(eps_inside_sqrt), "max_coeff": max_coeff,
-                    "min_coeff": min_coeff}
+                    "min_coeff": min_coeff, "freeze_step": freeze_step, "coeff_beta": coeff_beta,
+                    "factor_max": factor_max, "factor_min": factor_min, "factor_threshold": factor_threshold}
         super().__init__(params, defaults, amsgrad=amsgrad, max_grad_norm=max_grad_norm, cuda_aware=cuda_aware,
                          comm_backend_name=comm_backend_name, group=group, block_size=block_size)
         self.freeze_step, self.coeff_beta = freeze_step, coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self.lamb_coeffs: list[float] = []
+        self._ids: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
 
     def full_precision_gradients_next(self) -> bool:
         """True during the warm-up: the next step's gradients must be averaged at full precision."""
@@ -85,6 +88,9 @@ class OneBitLamb(OneBitOptimizer):
     def _step(self) -> None:
         """LAMB in the warm-up; frozen variance and ratios with 1-bit momentum after it."""
         self.lamb_coeffs = []
+        if self.partitioned:
+            self._partitioned_step()
+            return
         t = self.global_step() + 1
         for group in self.param_groups:
             for p in group["params"]:
@@ -176,3 +182,118 @@ class OneBitLamb(OneBitOptimizer):
                 coeff = state["lamb_coeff_freeze"] * factor
                 self.lamb_coeffs.append(coeff)
                 p.add_(update, alpha=-group["lr"] * coeff)
+
+    # -- partitioned (ZeRO): whole-parameter ratios from per-parameter partial reductions ---------------
+
+    def _piece_ids(self, view: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """``(count, ids)``: the number of partitioned parameters and, per element of ``view``, its parameter's index.
+
+        From the ``partition_pieces = (count, ((index, lo, hi), ...))`` the partitioner put on each slice.
+        """
+        cached = self._ids.get(view)
+        if cached is None:
+            count, pieces = view.partition_pieces
+            ids = torch.full((view.numel(),), -1, dtype=torch.long, device=view.device)
+            for index, lo, hi in pieces:
+                ids[lo:hi] = index
+            if view.numel() and int(ids.min()) < 0:
+                raise ValueError("OneBitLamb: a partition slice has elements no parameter piece covers")
+            cached = self._ids[view] = (count, ids)
+        return cached
+
+    def _per_element(self, state: dict[str, Any], key: str, p: torch.Tensor, default: float) -> torch.Tensor:
+        """``state[key]`` as one value per element of ``p`` (its parameter's: it is checkpointed like ``exp_avg``)."""
+        value = state.get(key, default)
+        if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            value = state[key] = torch.full_like(p, float(value) if not isinstance(value, torch.Tensor) else
+                                                 float(value.reshape(-1)[0]) if value.numel() else default)
+        return value
+
+    def _whole_parameter_sums(self, rows: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]],
+                              count: int, device: Any) -> torch.Tensor:
+        """``[count, 4]``: per parameter, sums over the group of the squares of ``rows``' three tensors and the
+        maximum of the fourth (one collective for the step, the same shape in every phase)."""
+        partial = torch.zeros(count, 4, dtype=torch.float64, device=device)
+        for ids, squares, ratio in rows:
+            for col, x in enumerate(squares):
+                partial[:, col].index_add_(0, ids, x.reshape(-1).double().square())
+            if ratio is not None:
+                partial[:, 3].scatter_reduce_(0, ids, ratio.reshape(-1).double(), "amax")
+        if self.world_size > 1:
+            gathered = [torch.empty_like(partial) for _ in range(self.world_size)]
+            comm.all_gather(gathered, partial, group=self.group)
+            stacked = torch.stack(gathered)
+            partial = torch.cat([stacked[..., :3].sum(0), stacked[..., 3:].amax(0)], dim=1)
+        return partial
+
+    def _partitioned_step(self) -> None:
+        """One step on slices of parameters: every ratio is computed from whole-parameter sums over the group.
+
+        The gradients arrive averaged over the group (exactly in the warm-up, else by the partitioner's
+        1-bit reduce-scatter with error feedback), so nothing is compressed here and the momenta need no
+        scaling coefficients; what LAMB takes from whole parameters (``||w||``, ``||update||``, the largest
+        frozen/fresh denominator ratio) is summed (or maximised) per parameter over the group in one
+        collective of ``4 * parameters`` values. The recorded ratio and last factor are kept per element
+        (each element holds its parameter's), so they are checkpointed and resharded like the momentum.
+        """
+        stepped = [(group, p) for group in self.param_groups for p in self.stepped(group)]
+        for _, p in stepped:
+            self._init_state(p)
+        t = self.global_step() + 1
+        held = [p for group in self.param_groups for p in group["params"]]
+        count = held[0].partition_pieces[0] if held else 0
+        device = next((p.device for p in held if p.numel()), held[0].device if held else None)
+        warmup = t <= self.freeze_step
+        rows, work = [], []
+        for group, p in stepped:
+            b1, b2 = group["betas"]
+            state = self.state[p]
+            _, ids = self._piece_ids(p)
+            m, v, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+            if warmup:
+                m.lerp_(p.grad, 1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                if t == self.freeze_step:
+                    fresh.copy_(v)
+                _, prelim, update = self._update(group, p, m, v)
+                rows.append((ids, [p, update, prelim], None))
+            else:
+                last = m.clone()
+                m.lerp_(p.grad, 1 - b1)
+                grad_estimate = (m - b1 * last) / (1 - b1)
+                fresh.mul_(b2).addcmul_(grad_estimate, grad_estimate, value=1 - b2)
+                denom, prelim, update = self._update(group, p, m, v)
+                fresh_denom = (fresh + group["eps"]).sqrt_() if group["eps_inside_sqrt"] else \
+                    fresh.sqrt().add_(group["eps"])
+                rows.append((ids, [p, update, prelim], denom / fresh_denom))
+            work.append((group, p, ids, update))
+        if count == 0:
+            return
+        sums = self._whole_parameter_sums(rows, count, device)
+        weight_norm, update_norm, prelim_norm = sums[:, 0].sqrt(), sums[:, 1].sqrt(), sums[:, 2].sqrt()
+        for group, p, ids, update in work:
+            state = self.state[p]
+            if warmup:
+                wn, un = weight_norm[ids], update_norm[ids]
+                ratio = (wn / un.clamp_min(1e-300)).clamp(group["min_coeff"], group["max_coeff"])
+                coeff = torch.where((wn != 0) & (un != 0), ratio, torch.ones_like(ratio)).to(p.dtype)
+                freeze = self._per_element(state, "lamb_coeff_freeze", p, 0.0)
+                freeze.copy_(torch.where(coeff != 1.0, self.coeff_beta * freeze + (1 - self.coeff_beta) * coeff,
+                                         freeze))
+            else:
+                factor = sums[:, 3][ids]
+                if group["weight_decay"] > 0:
+                    un = update_norm[ids]
+                    shrink = torch.where(un > 0, (prelim_norm[ids] / un.clamp_min(1e-300)).clamp(max=1.0),
+                                         torch.ones_like(un))
+                    factor = factor * shrink + (1.0 - shrink)
+                factor = factor.clamp(self.factor_min, self.factor_max).to(p.dtype)
+                last_factor = self._per_element(state, "last_factor", p, 1.0)
+                factor = torch.minimum(torch.maximum(factor, last_factor * (1.0 - self.factor_threshold)),
+                                       last_factor * (1.0 + self.factor_threshold))
+                last_factor.copy_(factor)
+                coeff = self._per_element(state, "lamb_coeff_freeze", p, 0.0) * factor
+            self.lamb_coeffs += [float(coeff[lo]) for _, lo, _ in p.partition_pieces[1]]
+            p.addcmul_(update, coeff.view_as(update), value=-group["lr"])
+        for _, p in stepped:
+            self.state[p]["step"] += 1

@@ -22,8 +22,9 @@ DeepSpeed matches them), or when the client passes one of those optimizers to ``
   slices) and attaches it here. That optimizer then takes this rank's slice of the averaged gradient
   and communicates nothing; the partitioner averages the gradients exactly while
   ``full_precision_gradients_next()`` is true (the warm-up, 0/1 Adam's variance steps) and with its
-  error-feedback 1-bit reduce-scatter otherwise. Refused with a partitioning, with the reason: 1-bit
-  LAMB (its trust ratios are functions of whole parameters), 0/1 Adam with local steps
+  error-feedback 1-bit reduce-scatter otherwise. 1-bit LAMB reads the parameter boundaries the
+  partitioner puts on its slices (``partition_pieces``) and sums its whole-parameter norms over the
+  data-parallel group. Refused with a partitioning, with the reason: 0/1 Adam with local steps
   (``local_step_clipper`` > 1: a local step updates every parameter from that rank's own momentum),
   and any partitioner that does not attach (it would split what the optimizer exchanges whole).
 """
@@ -53,7 +54,7 @@ from microspeed.plugin_api import (
 )
 from microspeed_comm import bitpack
 from microspeed_comm.adam import OneBitAdam
-from microspeed_comm.compositions import FEATURES, LAMB_WITH_ZERO, LOCAL_STEPS_WITH_ZERO, ONEBIT_WITH_MOE, REFUSALS
+from microspeed_comm.compositions import FEATURES, LOCAL_STEPS_WITH_ZERO, ONEBIT_WITH_MOE, REFUSALS
 from microspeed_comm.compressed import DEFAULT_BLOCK_SIZE
 from microspeed_comm.lamb import OneBitLamb
 from microspeed_comm.onebit import OneBitOptimizer
@@ -147,8 +148,6 @@ def _partitioning_reason(name: str, part: GradientPartitioning) -> str:
 def partition_refusal(opt: OneBitOptimizer | type[OneBitOptimizer], clipper: int | None = None) -> str | None:
     """Why ``opt`` (an optimizer or its class) cannot step partitions (a declared refusal's message), or None."""
     cls = opt if isinstance(opt, type) else type(opt)
-    if issubclass(cls, OneBitLamb):
-        return LAMB_WITH_ZERO[0].message()
     if issubclass(cls, ZeroOneAdam):
         clipper = opt.local_step_clipper if clipper is None else clipper
         if clipper > 1:
@@ -193,7 +192,7 @@ class CommPlugin:
 
     @hookimpl
     def microspeed_conflicts(self, capabilities: Capabilities) -> list[tuple[str, str]] | None:
-        """With a gradient partitioning: refuse 1-bit LAMB and 0/1 Adam's local steps (:func:`partition_refusal`)."""
+        """With a gradient partitioning: refuse 0/1 Adam's local steps (:func:`partition_refusal`)."""
         part = capabilities.get(GradientPartitioning)
         if self.cls is None or part is None:
             return None
@@ -224,6 +223,14 @@ class CommPlugin:
                                       f"a gradient partitioning steps flat slices; drop {key!r} or use "
                                       f"zero_optimization.stage 0.")
         self._refuse_held_apart(name)
+        if isinstance(optimizer, OneBitLamb):
+            cut = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
+                   if not hasattr(p, "partition_pieces")]
+            if cut:
+                raise ConfigError(f"{name}: the partitioner does not say which parameter each slice of param group "
+                                  f"{cut[0]} belongs to (partition_pieces), and 1-bit LAMB's trust ratios are "
+                                  f"functions of whole parameters; use OneBitAdam or ZeroOneAdam with it.")
+            optimizer.set_process_group(self.engine.topology.data_parallel_group)
         optimizer.set_partitioned()
         self.optimizer, self.partitioned = optimizer, True
         self.log = get_logger("microspeed.comm")

@@ -252,9 +252,9 @@ def test_bad_params_are_refused_at_initialize():
         microspeed.initialize(model=_mlp(), config=_config("onebitadam", {"bias_correction": True}))
 
 
-def test_onebit_lamb_with_zero_is_refused_clearly():
+def test_onebit_lamb_with_zero_is_attached_to_the_partitions():
     pytest.importorskip("microspeed_zero")
     cfg = _config("OneBitLamb", {"freeze_step": 10}, zero_optimization={"stage": 1})
-    with pytest.raises(microspeed.ConfigError, match=r"optimizer\.type: cannot be combined with the "
-                                                     r"plugin 'comm': OneBitLamb with zero_optimization\.stage=1"):
-        microspeed.initialize(model=_mlp(), config=cfg)
+    engine, *_ = microspeed.initialize(model=_mlp(), config=cfg)
+    inner = engine.plugin_state("comm").optimizer
+    assert type(inner).__name__ == "OneBitLamb" and inner.partitioned and inner.freeze_step == 10

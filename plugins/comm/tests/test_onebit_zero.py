@@ -1,4 +1,4 @@
-"""1-bit Adam and 0/1 Adam with ZeRO stages 1-3: exact warm-up, compressed reduce-scatter after it.
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB with ZeRO stages 1-3: exact warm-up, compressed reduce-scatter after it.
 
 Each spawned job trains one tiny MLP (fp32, a fixed global batch split over the data-parallel ranks)
 under several configurations and returns every run's per-step losses (averaged over ranks), against
@@ -15,7 +15,8 @@ run; and training goes as far as the 1-bit run without ZeRO (best of the last fo
 ``CONVERGE_RATIO`` times that run's, and below half the initial loss). Measured on this machine (2 ranks):
 the first five compressed steps are within 8e-3 (1-bit Adam) and 1.1e-2 (0/1 Adam) of the uncompressed
 run, closer than the 1-bit run without ZeRO (6e-2 / 1e-1), which compresses twice (worker and server)
-where the reduce-scatter compresses once.
+where the reduce-scatter compresses once. 1-bit LAMB (lr 2e-2, its trust ratios from whole-parameter sums over
+the group): within 1.3e-2 at ZeRO-1 (several segments), 2 and 3.
 """
 
 from __future__ import annotations
@@ -114,7 +115,12 @@ def _job(cases):
     return out
 
 
-def _check(results, name, opt):
+def best_of(losses):
+    """The best of the last four losses."""
+    return min(losses[-4:])
+
+
+def _check(results, name, opt, drop=0.5):
     run, ref, plain = results[name], results[("uncompressed", opt)], results[("no zero", opt)]["losses"]
     losses, exact = run["losses"], run["exact"]
     assert run["partitioned"], f"{name}: the optimizer was not attached to the partitions"
@@ -129,8 +135,10 @@ def _check(results, name, opt):
     full = [b for b, e in zip(run["sent"], exact, strict=True) if e]
     packed = [b for b, e in zip(run["sent"], exact, strict=True) if not e]
     assert min(full) > 8 * max(packed) > 0, (name, run["sent"])  # signs + scales: ~1/30 here (tiny, padded)
+    print(name, "compressed rel", [f"{c:.2g}" for c in compressed], "best", best_of(losses), best_of(plain),
+          "first", losses[0])
     best, best_plain = min(losses[-4:]), min(plain[-4:])
-    assert best < 0.5 * losses[0] and best <= CONVERGE_RATIO * best_plain, (name, losses, plain)
+    assert best < drop * losses[0] and best <= CONVERGE_RATIO * best_plain, (name, losses, plain)
 
 
 DP2_CASES = [
@@ -150,6 +158,26 @@ def test_onebit_and_zero_one_adam_with_zero_on_two_ranks():
         _check(results, name, opt)
 
 
+LAMB = ("OneBitLamb", {"lr": 2e-2, "freeze_step": 5, "betas": [0.9, 0.99], "weight_decay": 0.01})
+LAMB_DROP = 0.8
+"""1-bit LAMB moves each parameter by about ``lr`` relative per step (the trust ratio), so in 16 steps at ``lr`` 2e-2
+its best loss falls to about 0.7 of the first (a larger ``lr`` leaves the 3e-2 band of the compressed steps: the
+loss falls so fast that the compression error shows as a larger relative difference)."""
+LAMB_CASES = [
+    ("lamb z1 segments", *LAMB, {"stage": 1, "reduce_bucket_size": 500}, 1),
+    ("lamb z2", *LAMB, {"stage": 2}, 1),
+    ("lamb z3", *LAMB, {"stage": 3}, 1),
+]
+
+
+@pytest.mark.slow
+def test_onebit_lamb_with_zero_on_two_ranks():
+    """Trust ratios and factors from whole-parameter sums over the group: the warm-up equals one process."""
+    results = run_distributed(_job, world_size=2, args=(LAMB_CASES,), timeout=240)[0]
+    for name, opt, *_ in LAMB_CASES:
+        _check(results, name, opt, drop=LAMB_DROP)
+
+
 @pytest.mark.slow
 def test_onebit_adam_with_zero_2_on_four_ranks():
     cases = [("adam z2 dp4", *ONEBIT, {"stage": 2}, 1)]
@@ -164,7 +192,7 @@ def _resume(path):
     world, rank = dist.get_world_size(), dist.get_rank()
     x, y = (t[rank * MICRO:(rank + 1) * MICRO] for t in _data(world))
     out = {}
-    for opt, params in (ONEBIT, ZERO_ONE):
+    for opt, params in (ONEBIT, ZERO_ONE, LAMB):
         cfg = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
                "optimizer": {"type": opt, "params": params}, "zero_optimization": {"stage": 2}}
 
@@ -231,14 +259,6 @@ def _config(**extra):
     return {"train_batch_size": 2, "steps_per_print": 10**6, **extra}
 
 
-def test_onebit_lamb_with_zero_is_refused_with_the_reason():
-    with pytest.raises(microspeed.ConfigError, match=r"^optimizer\.type: .*OneBitLamb with zero_optimization\.stage=2"
-                                                     r": 1-bit LAMB scales each parameter's update by a trust ratio"
-                                                     r".*use OneBitAdam or ZeroOneAdam with ZeRO, or OneBitLamb"):
-        microspeed.initialize(model=_mlp(), config=_config(optimizer={"type": "OneBitLamb", "params": {"lr": 1e-3}},
-                                                           zero_optimization={"stage": 2}))
-
-
 def test_zero_one_adam_local_steps_with_zero_are_refused_naming_the_fix():
     with pytest.raises(microspeed.ConfigError, match=r"^optimizer\.type: .*ZeroOneAdam with "
                                                      r"zero_optimization\.stage=1: 0/1 Adam's local steps .*"
@@ -248,13 +268,23 @@ def test_zero_one_adam_local_steps_with_zero_are_refused_naming_the_fix():
                                                            zero_optimization={"stage": 1}))
 
 
-def test_a_client_onebit_lamb_with_zero_is_refused_when_attached():
+def test_a_client_onebit_lamb_is_rebuilt_by_zero_with_its_schedule_and_slices_know_their_parameters():
     from microspeed_comm import OneBitLamb
 
     model = _mlp()
-    with pytest.raises(microspeed.ConfigError, match=r"^OneBitLamb: cannot step a gradient partitioning: 1-bit LAMB"):
-        microspeed.initialize(model=model, optimizer=OneBitLamb(model.parameters(), lr=1e-3),
-                              config=_config(zero_optimization={"stage": 1}))
+    client = OneBitLamb(model.parameters(), lr=1e-3, freeze_step=7, coeff_beta=0.8, factor_max=3.0, factor_min=0.6,
+                        factor_threshold=0.2)
+    engine, *_ = microspeed.initialize(model=model, optimizer=client, config=_config(zero_optimization={"stage": 1}))
+    inner = engine.plugin_state("comm").optimizer
+    assert type(inner) is OneBitLamb and inner is not client and inner.partitioned
+    assert (inner.freeze_step, inner.coeff_beta, inner.factor_max, inner.factor_min, inner.factor_threshold) == \
+        (7, 0.8, 3.0, 0.6, 0.2)
+    views = [p for g in inner.param_groups for p in g["params"]]
+    count = views[0].partition_pieces[0]
+    assert count == len(list(model.parameters()))
+    covered = sorted(i for v in views for i, _, _ in v.partition_pieces[1])
+    assert covered == list(range(count))  # one rank: every parameter whole, in some slice
+    assert all(sum(hi - lo for _, lo, hi in v.partition_pieces[1]) == v.numel() for v in views)
 
 
 def test_a_client_onebit_adam_is_rebuilt_by_zero_with_its_schedule():

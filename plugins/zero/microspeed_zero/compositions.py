@@ -27,20 +27,20 @@ FEATURES = (
 """ZeRO's features: the three stages (alternatives of ``zero_optimization.stage``) and the two offload targets."""
 
 NVME_STEP_IS_ADAM = refuse_pairs(
-    ("offload-nvme",), ("onebit-adam", "zero-one-adam"),
+    ("offload-nvme",), ("onebit-adam", "zero-one-adam", "onebit-lamb"),
     reason="ZeRO's NVMe-offloaded step streams Adam's state (masters, exp_avg, exp_avg_sq) through a few buffers and "
-           "applies Adam's update to it, so an optimizer with another update (the 1-bit Adams' frozen variance and "
-           "compressed momentum) has no state there to step",
+           "applies Adam's update to it, so an optimizer with another update (the 1-bit optimizers' frozen variance "
+           "and compressed momentum) has no state there to step",
     instead="use offload_optimizer.device 'cpu' or 'none' for an optimizer other than torch.optim.Adam/AdamW")
-"""NVMe optimizer offload with the 1-bit Adams (1-bit LAMB with ZeRO is refused by the comm plugin first)."""
+"""NVMe optimizer offload with the 1-bit optimizers."""
 
 CPU_STEP_IS_ADAM = refuse_pairs(
-    ("offload-cpu",), ("onebit-adam", "zero-one-adam"),
+    ("offload-cpu",), ("onebit-adam", "zero-one-adam", "onebit-lamb"),
     reason='with "zero_force_ds_cpu_optimizer" true, ZeRO\'s CPU-offloaded step runs a fast CPU Adam in place of the '
            "client's optimizer (as DeepSpeed does), which would replace the 1-bit update by Adam's",
     instead='set "zero_force_ds_cpu_optimizer": false to step the 1-bit optimizer itself on the CPU',
     when='"zero_force_ds_cpu_optimizer" is true (the default)')
-"""CPU optimizer offload with the 1-bit Adams while ZeRO forces its CPU Adam (a condition, not the whole pair)."""
+"""CPU optimizer offload with the 1-bit optimizers while ZeRO forces its CPU Adam (a condition, not the whole pair)."""
 
 REFUSALS = NVME_STEP_IS_ADAM + CPU_STEP_IS_ADAM
 """Everything the ``zero`` plugin refuses."""

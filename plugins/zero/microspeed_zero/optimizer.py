@@ -11,6 +11,12 @@ Masters: with fp16/bf16 the fp32 master partition is a separate tensor; with fp3
 offload) the master *is* the rank's slice of the parameters themselves, so nothing is copied.
 With ``offload_optimizer`` the masters, their gradients and the optimizer state live in CPU
 memory (or stream from NVMe, :mod:`microspeed_zero.swap`).
+
+Each run view carries ``partition_pieces = (count, ((index, lo, hi), ...))``: the parameters whose
+pieces it holds (``index`` numbers the ``count`` partitioned parameters the same way on every rank of the
+group; ``view[lo:hi]`` is that parameter's piece). An optimizer whose update needs whole-parameter
+quantities (1-bit LAMB's trust ratios, attached through ``GradientCompression``) sums its partial
+reductions per ``index`` over the data-parallel group.
 """
 
 from __future__ import annotations
@@ -75,17 +81,26 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Make the inner optimizer over 1-D views of ``masters`` (segment index -> fp32 slice)."""
         per_group: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         self.runs = []
+        first = {}  # segment index -> global index of its first parameter (the same on every rank)
+        for seg in self.runtime.segments:
+            first[seg.index] = sum(len(s.params) for s in self.runtime.segments if s.index < seg.index)
+        count = sum(len(s.params) for s in self.runtime.segments)
         for seg in self.runtime.segments:
             master = masters.get(seg.index)
             if master is None:
                 continue
             for g, start, end in seg.runs(seg.rank):
                 view = master[start:end]
+                view.partition_pieces = (count, tuple(
+                    (first[seg.index] + i, s - start, s - start + seg.param_range(i, seg.rank)[1] - a)
+                    for i, a, s in seg.pieces(seg.rank) if start <= s < end))
                 per_group[g].append(view)
                 self.runs.append((seg, g, start, end, view))
         groups = []
         for g, group in enumerate(self.param_groups):
             params = per_group[g] or [torch.zeros(0, device=self.runtime.master_device)]
+            if not per_group[g]:
+                params[0].partition_pieces = (count, ())
             groups.append({**_hyper(group), "params": params})
         accepted = inspect.signature(self.base_class.__init__).parameters
         kwargs = {k: v for k, v in self.defaults.items() if k in accepted}
