@@ -72,11 +72,18 @@ class GradientPartitioning(Capability):
 class LossScaling(Capability):
     """Mixed precision: the model's ``dtype``, the fp16 loss ``scaler`` (``None`` for bf16/fp32) and whether
     gradients accumulate in fp32 buffers (``accumulate_fp32``). A plugin that steps the optimizer itself
-    unscales with ``scaler.loss_scale`` and reports overflow with ``scaler.update_scale(overflow)``."""
+    unscales with ``scaler.loss_scale`` and reports overflow with ``scaler.update_scale(overflow)``.
+
+    ``accumulated_grad(param)``: where a model parameter's accumulated gradient lives at the accumulation
+    boundary — the fp32 buffer it was summed into (reduce that tensor in place; it is what the optimizer
+    steps), or ``None`` when it is the parameter's own ``.grad``. A plugin that reduces some parameters
+    itself (MoE experts over their own groups) reduces that tensor. ``None`` when not provided: always ``.grad``.
+    """
 
     dtype: Any
     scaler: Any
     accumulate_fp32: bool
+    accumulated_grad: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True)

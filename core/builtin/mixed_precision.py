@@ -9,7 +9,9 @@ scale (:mod:`microspeed.builtin.loss_scaler`).
 
 ``data_types.grad_accum_dtype = "fp32"`` accumulates each micro-step's low-precision gradient
 into the fp32 master gradient (so accumulation does not round), and those fp32 buffers are what
-the data-parallel reduction averages.
+the data-parallel reduction averages. Parameters the built-in reducer leaves alone (``allreduce = False``:
+MoE experts) are reduced by the plugin that marked them, which finds their fp32 buffer through the
+capability's ``accumulated_grad(param)``.
 
 A plugin that claims the ``optimizer_step`` role (ZeRO) keeps its own, partitioned masters: this
 plugin then only casts the model and scales the loss, and states its loss scaler as the
@@ -63,6 +65,7 @@ class MixedPrecisionPlugin:
         self.scaler: BaseLossScaler | None = None
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (model param, master)
         self.names: dict[int, str] = {}
+        self.master_of: dict[int, torch.nn.Parameter] = {}  # id(model param) -> its fp32 master
         self.engine: Any = None
 
     @hookimpl
@@ -117,7 +120,19 @@ class MixedPrecisionPlugin:
     @hookimpl
     def microspeed_capabilities(self) -> list[LossScaling]:
         """State the dtype and the loss scaler, for plugins that step the optimizer themselves."""
-        return [LossScaling(dtype=self.dtype, scaler=self.scaler, accumulate_fp32=self.accumulate_fp32)]
+        return [LossScaling(dtype=self.dtype, scaler=self.scaler, accumulate_fp32=self.accumulate_fp32,
+                            accumulated_grad=self.accumulated_grad)]
+
+    def accumulated_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The fp32 buffer holding ``param``'s accumulated gradient (zeros if none yet), or ``None`` for ``.grad``.
+
+        A buffer only with fp32 accumulation while this plugin steps the optimizer (a plugin that steps
+        it itself keeps its own accumulation).
+        """
+        if not self.accumulate_fp32 or self._stepped_elsewhere():
+            return None
+        master = self.master_of.get(id(param))
+        return None if master is None else self._master_grad(master)
 
     @hookimpl
     def microspeed_setup(self, engine) -> None:
@@ -160,12 +175,14 @@ class MixedPrecisionPlugin:
         if self.dtype is None or self._stepped_elsewhere():
             return None
         self.pairs = []
+        self.master_of = {}
         for group in optimizer.param_groups:
             masters = []
             for p in group["params"]:
                 if p.dtype == self.dtype:
                     master = torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
                     self.pairs.append((p, master))
+                    self.master_of[id(p)] = master
                     masters.append(master)
                 else:
                     masters.append(p)

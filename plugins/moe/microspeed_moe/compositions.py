@@ -5,12 +5,13 @@ The refusals are module-level constants: the plugin raises with their
 the text a user reads at ``initialize()`` is the text the matrix shows. Lifting a refusal means deleting
 its constant here together with the code that raises it (MoE with pipeline or tensor parallelism and
 MoE with ZeRO-3 were lifted: expert groups are cut inside each data-parallel group, and ZeRO-3 partitions
-an expert over its expert-data-parallel group).
+an expert over its expert-data-parallel group; MoE with bf16 and fp32 gradient accumulation too: experts
+are reduced in the fp32 buffer mixed precision names through ``LossScaling.accumulated_grad``).
 """
 
 from __future__ import annotations
 
-from microspeed.plugin_api import Feature, refuse_pairs
+from microspeed.plugin_api import Feature, Refusal
 
 FEATURES = (
     Feature("moe", "mixture of experts (expert parallelism)",
@@ -19,13 +20,5 @@ FEATURES = (
 )
 """The ``moe`` plugin's feature."""
 
-MOE_WITH_FP32_ACCUMULATION = refuse_pairs(
-    ("moe",), ("bf16",),
-    reason="fp32 gradient accumulation sums the micro-batches in a separate fp32 buffer, while expert gradients "
-           "are reduced over their own groups from the parameters' own gradients, which that buffer bypasses",
-    instead="remove data_types.grad_accum_dtype (bf16 training accumulates in the parameters' gradients)",
-    when="data_types.grad_accum_dtype is fp32")
-"""MoE with bf16 and fp32 gradient accumulation (a condition, not the whole pair)."""
-
-REFUSALS = MOE_WITH_FP32_ACCUMULATION
+REFUSALS: tuple[Refusal, ...] = ()
 """Everything the ``moe`` plugin refuses."""

@@ -10,7 +10,11 @@ plugin does, over each layer's *expert-data-parallel* group (the ranks holding t
   expert-data-parallel group) — before any plugin partitions parameters;
 * ``after_model_ready``: refuse a gradient-reduction owner that cannot keep expert parameters apart;
 * ``reduce_gradients`` (a wrapper around whoever reduces the rest): sum each expert gradient over the
-  expert-data-parallel group and divide by the data-parallel size. An expert's gradient already holds
+  expert-data-parallel group and divide by the data-parallel size — the tensor that holds it at the
+  boundary: ``p.grad``, or the fp32 buffer mixed precision summed the micro-steps into
+  (``data_types.grad_accum_dtype`` fp32, found through :class:`~microspeed.plugin_api.LossScaling`'s
+  ``accumulated_grad``; the built-in reducer averages only replicated parameters' buffers, so each
+  expert is divided exactly once). An expert's gradient already holds
   the contributions of every rank of its expert-parallel group (the all-to-all's backward brings them),
   so this is the average over all ranks' micro-batches — what one process on the whole batch computes;
 * ``grad_norm_rules``: each expert's squares count in the global gradient norm summed over its
@@ -53,7 +57,7 @@ from microspeed.plugin_api import (
     comm,
     hookimpl,
 )
-from microspeed_moe.compositions import FEATURES, MOE_WITH_FP32_ACCUMULATION, REFUSALS
+from microspeed_moe.compositions import FEATURES, REFUSALS
 from microspeed_moe.consolidate import expert_prefixes, gather_experts
 from microspeed_moe.groups import ExpertGroups, make_expert_groups
 from microspeed_moe.layer import MoE
@@ -104,9 +108,6 @@ class MoEPlugin:
             self._check(engine)
 
     def _check(self, engine: Any) -> None:
-        precision = engine.capabilities.get(LossScaling)
-        if precision is not None and precision.accumulate_fp32 and precision.dtype is torch.bfloat16:
-            raise MOE_WITH_FP32_ACCUMULATION[0].error("data_types.grad_accum_dtype=fp32 with MoE layers")
         owner = engine.owner(Role.GRADIENT_REDUCTION)
         if owner is None:
             return
@@ -125,20 +126,27 @@ class MoEPlugin:
     def microspeed_reduce_gradients(self, engine: Any) -> Any:
         """After the rest is reduced: sum expert gradients over their copies, divide by the data-parallel size.
 
-        Stands down when another plugin owns gradient reduction (it reduces experts over their replica groups).
+        Reduces the tensor holding each expert's accumulated gradient (``LossScaling.accumulated_grad``:
+        an fp32 accumulation buffer, else ``p.grad``). Stands down when another plugin owns gradient
+        reduction (it reduces experts over their replica groups).
         """
         result = yield
         if self.expert_params and engine.owner(Role.GRADIENT_REDUCTION) is None:
             world = engine.topology.data_parallel_size
+            precision = engine.capabilities.get(LossScaling)
+            buffer_of = precision.accumulated_grad if precision is not None else None
             for p, g in self.expert_params:
                 if not p.requires_grad:
                     continue
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                grad = buffer_of(p) if buffer_of is not None else None
+                if grad is None:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    grad = p.grad
                 if g.edp_size > 1:
-                    comm.all_reduce(p.grad, group=g.edp_group)
+                    comm.all_reduce(grad, group=g.edp_group)
                 if world > 1:
-                    p.grad.div_(world)
+                    grad.div_(world)
         return result
 
     @hookimpl(wrapper=True)
