@@ -74,7 +74,7 @@ class OneBitAdam(OneBitOptimizer):
                 ps = [p for p in params if p.grad is not None]
                 grads = [p.grad for p in ps]
                 if frozen:  # non_freeze: this group keeps full-precision gradients and a live variance
-                    self.average_(grads)
+                    self.average_(grads, ps)
                 ms = [self.state[p]["exp_avg"] for p in ps]
                 vs = [self.state[p]["exp_avg_sq"] for p in ps]
                 if ps:
@@ -88,11 +88,12 @@ class OneBitAdam(OneBitOptimizer):
                 vs = [self.state[p]["exp_avg_sq"] for p in ps]
                 if ps:
                     torch._foreach_lerp_(ms, grads, 1 - b1)
-                compressed.append((group, ms))
+                compressed.append((group, ms, ps))
             updates.append((group, ps, ms, vs, not live))
         if compressed:
-            self.compressed_average_("exp_avg", [m for _, ms in compressed for m in ms])
-            for group, ms in compressed:
+            self.compressed_average_("exp_avg", [m for _, ms, _ in compressed for m in ms],
+                                     [p for *_, ps in compressed for p in ps])
+            for group, ms, _ in compressed:
                 self._apply_masks(group, ms)
         for group, ps, ms, vs, v_frozen in updates:
             if ps:

@@ -37,12 +37,5 @@ LOCAL_STEPS_WITH_ZERO = refuse_pairs(
     when="optimizer.params.local_step_clipper > 1 (the default is 16)")
 """0/1 Adam's local steps with ZeRO (0/1 Adam with ``local_step_clipper`` 1 runs with ZeRO)."""
 
-ONEBIT_WITH_MOE = refuse_pairs(
-    ONEBIT, ("moe",),
-    reason="the 1-bit optimizers compress one momentum per parameter over the whole data-parallel group, while "
-           "each expert's copies live only on its expert-data-parallel group (the other ranks hold other experts)",
-    instead="use Adam (with ZeRO stage 1 or 2 if you like) for a model with MoE layers")
-"""The 1-bit optimizers with MoE layers."""
-
-REFUSALS = LOCAL_STEPS_WITH_ZERO + ONEBIT_WITH_MOE
+REFUSALS = LOCAL_STEPS_WITH_ZERO
 """Everything the ``comm`` plugin refuses."""

@@ -156,7 +156,7 @@ class OneBitLamb(OneBitOptimizer):
                 last[p] = m.clone()
                 m.lerp_(self._grad_or_zeros(p), 1 - b1).mul_(state["scaling_coeff"])
                 momenta.append(m)
-        self.compressed_average_("exp_avg", momenta)
+        self.compressed_average_("exp_avg", momenta, params)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:

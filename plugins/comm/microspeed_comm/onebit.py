@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from microspeed.plugin_api import comm
+from microspeed.plugin_api import comm, replica_group
 from microspeed_comm.compressed import CompressedAllReduce
 
 COMM_BACKEND_NAMES = ("nccl", "mpi", "hccl", "compressed", "gloo", "ccl")
@@ -147,36 +147,77 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     # -- compression -------------------------------------------------------------------------
 
-    def compressor(self, key: str, tensors: list[torch.Tensor]) -> CompressedAllReduce:
-        """The compressed all-reduce for ``tensors`` under ``key`` (built on first use; restored errors)."""
+    def compressor(self, key: str, tensors: list[torch.Tensor], group: Any = None) -> CompressedAllReduce:
+        """The compressed all-reduce for ``tensors`` under ``key`` over ``group`` (default: the optimizer's; built on
+        first use; restored errors)."""
         sizes = tuple(t.numel() for t in tensors)
         c = self._compressors.get(key)
         if c is None or c.sizes != sizes:
-            c = CompressedAllReduce(sizes, self.group, self.block_size, tensors[0].device)
+            c = CompressedAllReduce(sizes, self.group if group is None else group, self.block_size, tensors[0].device)
             pending = self._pending_errors.pop(key, None)
             if pending is not None:
                 c.load_state(pending)
             self._compressors[key] = c
         return c
 
-    def compressed_average_(self, key: str, tensors: list[torch.Tensor]) -> None:
-        """Replace ``tensors`` by their compressed average over the group (identity on one rank, or partitioned:
-        the gradients were averaged by the reducer, so what is folded from them is already the average)."""
-        if tensors and not self.partitioned and self.world_size > 1:
-            self.compressor(key, tensors).average_(tensors)
+    def _by_replica_group(self, tensors: list[torch.Tensor], params: list[torch.Tensor] | None
+                          ) -> list[tuple[str, Any, int, list[torch.Tensor]]]:
+        """``tensors`` split by their parameter's replica group: ``[(key suffix, group, size, tensors)]``.
 
-    def average_(self, tensors: list[torch.Tensor]) -> None:
-        """Replace ``tensors`` by their full-precision average over the group (one flat all-reduce; none when
-        partitioned)."""
+        Parameters held by only some data-parallel ranks (MoE experts, :class:`~microspeed.plugin_api.ReplicaGroup`)
+        are averaged over their own group; the rest over the optimizer's (first, suffix ``""``).
+        """
+        out: dict[Any, tuple[str, Any, int, list[torch.Tensor]]] = {None: ("", self.group, self.world_size, [])}
+        for i, t in enumerate(tensors):
+            rg = replica_group(params[i]) if params is not None else None
+            k = None if rg is None else rg.ranks
+            if k not in out:
+                out[k] = (f"@{','.join(map(str, k))}", rg.group, rg.size, [])
+            out[k][3].append(t)
+        return [v for v in out.values() if v[3]]
+
+    def compressed_average_(self, key: str, tensors: list[torch.Tensor],
+                            params: list[torch.Tensor] | None = None) -> None:
+        """Replace ``tensors`` by their compressed average over the group (identity on one rank, or partitioned:
+        the gradients were averaged by the reducer, so what is folded from them is already the average).
+
+        ``params[i]`` is the parameter of ``tensors[i]``: those of a replica group are averaged over it.
+        """
         if not tensors or self.partitioned or self.world_size == 1:
             return
-        flat = torch.cat([t.reshape(-1).float() for t in tensors])
-        comm.all_reduce(flat, group=self.group)
-        flat.mul_(1.0 / self.world_size)
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for suffix, group, size, ts in self._by_replica_group(tensors, params):
+            if size > 1:
+                self.compressor(key + suffix, ts, group).average_(ts)
+
+    def average_(self, tensors: list[torch.Tensor], params: list[torch.Tensor] | None = None) -> None:
+        """Replace ``tensors`` by their full-precision average over the group (one flat all-reduce per group; none
+        when partitioned); ``params`` as for :meth:`compressed_average_`."""
+        if not tensors or self.partitioned or self.world_size == 1:
+            return
+        for _, group, size, ts in self._by_replica_group(tensors, params):
+            if size == 1:
+                continue
+            flat = torch.cat([t.reshape(-1).float() for t in ts])
+            comm.all_reduce(flat, group=group)
+            flat.mul_(1.0 / size)
+            offset = 0
+            for t in ts:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _scale_local_replica_gradients(self) -> None:
+        """Before a step on local gradients: a replica group's parameter's gradient times ``its size / world``.
+
+        An expert's gradient is the sum over its replica group divided by the data-parallel size (as the MoE
+        plugin reduces it at full precision); averaging ``g * size / world`` over the group gives exactly that,
+        and it stays linear through the momentum and the local steps.
+        """
+        world = self.world_size
+        for group in self.param_groups:
+            for p in group["params"]:
+                rg = replica_group(p)
+                if rg is not None and p.grad is not None and rg.size != world:
+                    p.grad.mul_(rg.size / world)
 
     def partition_error(self, key: Any, numel: int, device: Any = None) -> torch.Tensor:
         """Partitioned: the sender-error buffer of the partitioner's compressed exchange ``key`` (kept here, so
@@ -209,7 +250,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 c.load_state(self._pending_errors.pop(key))
         expected = {"sizes", "world", "rank", "block"}
         for key, st in list(self._pending_errors.items()):
-            if not expected <= set(st) or st["world"] != self.world_size or st["rank"] != comm.get_rank(self.group):
+            other = "@" not in key and (st["world"] != self.world_size or st["rank"] != comm.get_rank(self.group))
+            if not expected <= set(st) or other:  # (a replica group's compressor checks its own on restore)
                 del self._pending_errors[key]  # another topology: start from zero errors
 
     def reset_errors(self) -> None:
@@ -228,6 +270,8 @@ class OneBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_dtypes()
+        if not self.partitioned and self.world_size > 1 and not self.full_precision_gradients_next():
+            self._scale_local_replica_gradients()
         self._step()
         return loss
 

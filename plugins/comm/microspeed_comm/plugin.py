@@ -54,7 +54,7 @@ from microspeed.plugin_api import (
 )
 from microspeed_comm import bitpack
 from microspeed_comm.adam import OneBitAdam
-from microspeed_comm.compositions import FEATURES, LOCAL_STEPS_WITH_ZERO, ONEBIT_WITH_MOE, REFUSALS
+from microspeed_comm.compositions import FEATURES, LOCAL_STEPS_WITH_ZERO, REFUSALS
 from microspeed_comm.compressed import DEFAULT_BLOCK_SIZE
 from microspeed_comm.lamb import OneBitLamb
 from microspeed_comm.onebit import OneBitOptimizer
@@ -247,10 +247,15 @@ class CommPlugin:
         return self.optimizer.partition_error(key, numel, device)
 
     def _refuse_held_apart(self, name: str) -> None:
+        """With a partitioner: refuse parameters held by only some data-parallel ranks (MoE experts)."""
         held_apart = [n for n, p in self.engine.module.named_parameters() if not reduced_over_data_parallel(p)]
         if held_apart:
             raise ConfigError(f"{name}: parameters such as {held_apart[0]!r} are held by only some "
-                              f"data-parallel ranks (MoE experts): {ONEBIT_WITH_MOE[0].message()}.")
+                              f"data-parallel ranks (MoE experts), and with a gradient partitioning the partition "
+                              f"optimizer's exchanges (1-bit LAMB's whole-parameter sums, the error-feedback state "
+                              f"it keeps) are laid out for the data-parallel group only; use {name} with MoE at "
+                              f"zero_optimization.stage 0 (experts are compressed over their replica groups), or Adam "
+                              f"with ZeRO and MoE.")
 
     @hookimpl
     def microspeed_setup(self, engine) -> None:
@@ -283,7 +288,6 @@ class CommPlugin:
             raise ConfigError(f"{name}: the plugin {other!r} steps the optimizer or reduces gradients itself; the "
                               f"1-bit optimizers need the whole momentum on every rank and do both: turn that "
                               f"plugin's feature off, or use another optimizer.")
-        self._refuse_held_apart(name)
         optimizer.set_process_group(engine.topology.data_parallel_group)
         self.optimizer = optimizer
         self.log = get_logger("microspeed.comm")

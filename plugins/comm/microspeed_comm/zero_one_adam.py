@@ -127,7 +127,8 @@ class ZeroOneAdam(OneBitOptimizer):
         if not frozen:
             full = t % sched["var_interval"] == 0
             if not full:  # a 1-bit step: average the local gradients compressed
-                self.compressed_average_("grad", [g for *_, grads, _, _ in groups for g in grads])
+                self.compressed_average_("grad", [g for *_, grads, _, _ in groups for g in grads],
+                                         [p for _, ps, *_ in groups for p in ps])
                 for group, _, grads, _, _ in groups:
                     self._apply_masks(group, grads)
             for group, _, grads, ms, vs in groups:
@@ -169,7 +170,7 @@ class ZeroOneAdam(OneBitOptimizer):
     def _synchronize(self, groups: list, sched: dict[str, Any]) -> None:
         """Average the updates since the last synchronisation (1-bit) and restart from the anchor."""
         deltas = [torch._foreach_sub(ps, [self._anchor[p] for p in ps]) for _, ps, *_ in groups]  # -sum(lr * u)
-        self.compressed_average_("momentum", [d for ds in deltas for d in ds])
+        self.compressed_average_("momentum", [d for ds in deltas for d in ds], [p for _, ps, *_ in groups for p in ps])
         for (group, ps, _, ms, vs), delta, lrs in zip(groups, deltas, sched["lrs"], strict=True):
             self._apply_masks(group, delta)
             if lrs > 0:  # m = -avg * (sqrt(v) + eps) / sum(lr): the momentum that made the averaged update

@@ -69,7 +69,7 @@ def test_split_groups_train_through_initialize():
 
 
 @pytest.mark.parametrize("extra, match", [
-    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}},
+    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}, "zero_optimization": {"stage": 1}},
      r"OneBitAdam: parameters such as 'deepspeed_moe.experts.deepspeed_experts.0.weight' are held by only some"),
 ])
 def test_what_cannot_keep_experts_apart_is_refused_at_initialize(extra, match):
