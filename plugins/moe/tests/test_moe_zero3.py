@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_models import Net, batch, config, reference_losses
+from moe_models import reference_losses
+from test_moe_parity import _train
 
 from microspeed.testing import run_distributed
 
@@ -15,31 +16,6 @@ CASES = [  # ep_size, net kwargs, extra config
                                          "gradient_clipping": 0.3}),
     (4, {"k": 1, "use_residual": True}, {"zero_optimization": {"stage": 3, "reduce_bucket_size": 40}}),
 ]
-
-
-def _train(ep_size: int, steps: int, net_kwargs: dict, extra: dict, path: str | None = None,
-           save_after: int | None = None, resume: bool = False) -> list[float]:
-    import torch.distributed as dist
-
-    import microspeed
-
-    engine, *_ = microspeed.initialize(model=Net(ep_size=ep_size, **net_kwargs), config=config(extra))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    start = 0
-    if resume:
-        engine.load_checkpoint(path)
-        start = engine.global_steps
-    losses = []
-    for step in range(start, steps):
-        loss = engine(batch(step, rank))
-        engine.backward(loss)
-        engine.step()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        if save_after is not None and step + 1 == save_after:
-            engine.save_checkpoint(path)
-    return losses
 
 
 def _cases(steps: int) -> list[list[float]]:
