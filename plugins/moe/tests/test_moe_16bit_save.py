@@ -47,6 +47,9 @@ def _train_save(root: str) -> dict:
             engine.backward(loss)
             engine.step()
         assert engine.save_16bit_model(os.path.join(root, name)) is True
+        if engine.zero_optimization_stage() == 3:  # HF Accelerate's get_state_dict: the same gathered dict
+            whole = engine._zero3_consolidated_16bit_state_dict()
+            out[f"{name}_whole"] = None if whole is None else {k: v.detach().clone() for k, v in whole.items()}
         out[f"{name}_experts"] = _own_experts(engine)
         with torch.no_grad():
             loss = engine(batch(STEPS, rank)).detach().clone()
@@ -78,6 +81,12 @@ def test_16bit_model_with_ep2_holds_every_expert_and_loads_with_ep1(tmp_path):
             reference, rtol = (held[key], 0) if name == "no_zero" else (saved[key], 1e-5)
             torch.testing.assert_close(state[key], reference, rtol=rtol, atol=1e-7 if rtol else 0,
                                        msg=lambda m, k=key, n=name: f"{n} {k}: {m}")
+        if f"{name}_whole" in results[0]:  # engine._zero3_consolidated_16bit_state_dict(): rank 0 only, every expert
+            assert results[1][f"{name}_whole"] is None
+            whole = results[0][f"{name}_whole"]
+            assert set(whole) == set(state), f"{name}: {sorted(set(state) ^ set(whole))}"
+            for key in state:
+                torch.testing.assert_close(whole[key], state[key], rtol=0, atol=0)
         net.load_state_dict(state, strict=True)
         with torch.no_grad():
             expected = torch.stack([net(batch(STEPS, r)) for r in range(WORLD)]).mean()

@@ -8,15 +8,23 @@ here it is the section as a dict, or ``None``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
-def _consolidated(rt: Any, engine: Any, exclude_frozen_parameters: bool = False) -> dict | None:
-    """Stage 3: the whole state dict on data-parallel rank 0 (``None`` elsewhere, as DeepSpeed); collective."""
+def _consolidated(rt: Any, engine: Any, gather: Callable[[Any], dict | None],
+                  exclude_frozen_parameters: bool = False) -> dict | None:
+    """Stage 3: the whole state dict on data-parallel rank 0 (``None`` elsewhere, as DeepSpeed); collective.
+
+    ``gather(engine)`` runs the ``microspeed_consolidated_state_dict`` hook (not this plugin's answer alone), so
+    what other plugins add to the consolidation (MoE: the experts other ranks hold) is in it.
+    """
     if rt.stage3 is None:
         raise ValueError("_zero3_consolidated_16bit_state_dict requires zero_optimization.stage 3; at stage "
                          f"{rt.stage} engine.module.state_dict() already holds the whole weights.")
-    whole = rt.consolidated_state_dict()
+    whole = gather(engine)
+    if whole is None:
+        whole = engine.module.state_dict()
     if rt.rank != 0:
         return None
     if exclude_frozen_parameters:
@@ -25,8 +33,11 @@ def _consolidated(rt: Any, engine: Any, exclude_frozen_parameters: bool = False)
     return whole
 
 
-def engine_api(engine: Any, rt: Any, config: Any) -> dict[str, Any]:
-    """The accessors (see the module docstring) for a ZeRO ``rt`` (stage >= 1)."""
+def engine_api(engine: Any, rt: Any, config: Any, gather: Callable[[Any], dict | None]) -> dict[str, Any]:
+    """The accessors (see the module docstring) for a ZeRO ``rt`` (stage >= 1).
+
+    ``gather(engine)``: the whole state dict by every plugin's consolidation (``_zero3_consolidated_16bit_state_dict``).
+    """
     cfg = rt.cfg
     z = config["zero_optimization"]
     oo, op = dict(z["offload_optimizer"]), dict(z["offload_param"])
@@ -62,5 +73,5 @@ def engine_api(engine: Any, rt: Any, config: Any) -> dict[str, Any]:
         "zero_gather_16bit_weights_on_model_save": lambda: cfg.gather_16bit_weights_on_model_save,
         "zero_round_robin_gradients": lambda: bool(z.get("round_robin_gradients", False)),
         "_zero3_consolidated_16bit_state_dict":
-            lambda exclude_frozen_parameters=False: _consolidated(rt, engine, exclude_frozen_parameters),
+            lambda exclude_frozen_parameters=False: _consolidated(rt, engine, gather, exclude_frozen_parameters),
     }

@@ -43,6 +43,7 @@ class ZeroPlugin:
         self.cfg: ZeroConfig | None = None
         self.rt: ZeroRuntime | None = None
         self.config: Any = None
+        self.gather_asked = False  # engine._zero3_consolidated_16bit_state_dict(): gather whatever the config says
 
     @hookimpl
     def microspeed_config_sections(self) -> dict:
@@ -190,7 +191,7 @@ class ZeroPlugin:
             if self._active():
                 self.rt.wait_gathers()
             return None
-        if not self.cfg.gather_16bit_weights_on_model_save:
+        if not (self.cfg.gather_16bit_weights_on_model_save or self.gather_asked):
             return {"__skip__": "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so stage-3 "
                                 "weights stay partitioned; set it true, or save a checkpoint and consolidate it "
                                 "with `microspeed checkpoint consolidate`."}
@@ -208,7 +209,17 @@ class ZeroPlugin:
             return None
         from microspeed_zero.engine_api import engine_api
 
-        return engine_api(engine, self.rt, self.config)
+        return engine_api(engine, self.rt, self.config, self._gather_whole)
+
+    def _gather_whole(self, engine: Any) -> dict | None:
+        """Every plugin's consolidation of the whole state dict (the hook), asked for explicitly: stage 3 gathers
+        even when ``stage3_gather_16bit_weights_on_model_save`` is false (as DeepSpeed's call does), and wrappers
+        around it (MoE: every rank's experts) complete it. Collective."""
+        self.gather_asked = True
+        try:
+            return engine.hook.microspeed_consolidated_state_dict(engine=engine)
+        finally:
+            self.gather_asked = False
 
     @hookimpl
     def microspeed_features(self) -> list[Feature]:
