@@ -53,8 +53,21 @@ torchrun options used most (`torchrun --help` lists all of them):
   -m, --module          the script is a Python module name (python -m)
   --no-python           run the script as a program, not through python (its failures are not shortened)
 
-example:
+Several machines (DeepSpeed's launcher): with --hostfile, torchrun starts on every host over ssh (or pdsh,
+or as one srun step), in this working directory, with this environment's NCCL*/PYTHON*/GLOO_*/MICROSPEED_*
+variables and the KEY=VALUE lines of ~/.deepspeed_env, ./.deepspeed_env, ./.microspeed_env:
+  -H, --hostfile FILE   lines `HOST slots=N` (# comments); the first host is node 0
+  -i, --include SPEC    hosts/slots to use: HOST[:SLOT,SLOT][@HOST...]   (-e, --exclude SPEC: not to use)
+  --num_nodes N         the first N hosts       --num_gpus, --nproc-per-node N: N processes per host
+  --master_addr ADDR    node 0's address (default: its first `hostname -I` address)   --master_port PORT
+  --launcher L          ssh, pdsh (the default where installed, else ssh) or slurm (srun)
+  --launcher_args "..." options for ssh (-F config, -i key), pdsh or srun   --ssh_port P
+  --no_ssh_check        skip the check that every host answers `ssh -o BatchMode=yes HOST true`
+When a node fails, the others are stopped and the report names the host.
+
+examples:
   microspeed run --nproc-per-node 2 train.py --deepspeed_config ds_config.json
+  microspeed run --hostfile hostfile --num_gpus 8 train.py --deepspeed_config ds_config.json
 """
 
 #: torchrun options (long spelling) that HELP describes; a test checks each exists in torchrun's parser.
@@ -70,7 +83,8 @@ _QUIET_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",)
 summary replaces."""
 
 
-_FLAGS = frozenset({"-h", "--help", "--as-deepspeed", "--standalone", "-m", "--module", "--no-python", "--no_python",
+_FLAGS = frozenset({"-h", "--help", "--as-deepspeed", "--exit-with-stdin", "--standalone", "-m", "--module",
+                    "--no-python", "--no_python",
                     "--run-path", "--run_path", "--virtual-local-rank", "--virtual_local_rank"})
 """Launcher options that take no value; every other torchrun option takes one (``--opt V`` or ``--opt=V``)."""
 
@@ -91,6 +105,47 @@ def _wants_help(args: Sequence[str]) -> bool:
     return any(a in ("-h", "--help") for a in launcher)
 
 
+def _uses_hostfile(args: Sequence[str]) -> bool:
+    """Whether the launcher options name a hostfile (``--hostfile``/``-H``): the multi-node launcher's job."""
+    from microspeed.cli.multinode import split_launcher_args
+
+    return any(a in ("-H", "--hostfile") or a.startswith("--hostfile=") for a in split_launcher_args(args)[0])
+
+
+def _take_value(args: list[str], option: str) -> str | None:
+    """Remove ``option VALUE`` (or ``option=VALUE``) from the launcher options; return the value."""
+    for i, arg in enumerate(_launcher_part(args)):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+            del args[i:i + 2]
+            return value
+        if arg.startswith(option + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _exit_with_stdin() -> None:
+    """Stop this node (SIGTERM to itself: torchrun's agent stops its ranks) when its stdin closes.
+
+    The ssh launcher runs each node's ``microspeed run`` with this: when the launcher stops the job or dies,
+    its ssh ends and the node's stdin reaches its end. The ranks get ``/dev/null`` as stdin instead.
+    """
+    import threading
+
+    watched = os.dup(0)  # not inherited by the ranks
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+    def watch() -> None:
+        while os.read(watched, 65536):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="microspeed-stdin-watch", daemon=True).start()
+
+
 def main(argv: Sequence[str]) -> int:
     """``microspeed run [--as-deepspeed] [torchrun options] script.py [args]``; returns the exit status."""
     from microspeed.cli import _take_flag
@@ -99,7 +154,17 @@ def main(argv: Sequence[str]) -> int:
     if _wants_help(args):
         print(HELP, end="")
         return 0
+    if _uses_hostfile(args):
+        from microspeed.cli.multinode import main as multinode_main
+
+        return multinode_main(args)
     as_deepspeed = _take_flag(args, "--as-deepspeed")
+    if _take_flag(args, "--exit-with-stdin"):
+        _exit_with_stdin()
+    pid_file = _take_value(args, "--pid-file")
+    if pid_file:
+        with open(pid_file, "w", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
     if not args:
         print(HELP, end="", file=sys.stderr)
         print("microspeed run: error: give the training script to launch", file=sys.stderr)
