@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -243,3 +244,28 @@ def test_bad_hostfile_line_from_the_command_line(tmp_path):
     proc = _microspeed_run(tmp_path, "--hostfile", "hostfile", "train.py")
     assert proc.returncode == 2 and "hostfile:2: bad hostfile line 'b slots=x'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_exit_with_stdin_stops_the_node_when_stdin_closes(tmp_path):
+    """What the ssh launcher relies on to stop a node: its ``microspeed run --exit-with-stdin`` ends with stdin."""
+    (tmp_path / "sleep.py").write_text("import time\nopen('started', 'w').close()\ntime.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "microspeed.cli", "run", "--exit-with-stdin", "--master-port", "0",
+                             "sleep.py"], cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "started").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert (tmp_path / "started").exists(), proc.communicate(timeout=10)
+        start = time.monotonic()
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + 15 and "stopped by SIGTERM; the ranks were stopped too" in err, err
+    assert time.monotonic() - start < 30
