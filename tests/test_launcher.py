@@ -217,6 +217,43 @@ def test_options_the_hostfile_sets_are_refused(tmp_path, options):
         _plan(tmp_path, *options)
 
 
+# ---------------------------------------------------------------------------------------- watching the nodes
+
+# Stand-ins for the ssh processes: node A runs until its stdin closes (as a node under --exit-with-stdin);
+# node B prints a node's failure summary and exits 1.
+_WAITS = "import sys; print('step 1', flush=True); sys.stdin.read(); print('stopped', flush=True); sys.exit(143)"
+_FAILS = ("import sys, time; time.sleep(0.5); print('microspeed run: rank 3 failed (exit code 1):', file=sys.stderr);"
+          "print('ValueError: boom', file=sys.stderr); sys.exit(1)")
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_node_stops_the_others_and_the_report_names_it(capsys):
+    start = time.monotonic()
+    code = multinode.run_ssh_nodes({"hostA": [sys.executable, "-c", _WAITS], "hostB": [sys.executable, "-c", _FAILS]})
+    out, err = capsys.readouterr()
+    assert code == 1 and time.monotonic() - start < 30
+    assert "hostA: step 1" in out and "hostA: stopped" in out  # prefixed output; A saw its stdin close
+    assert err.splitlines()[-4:] == ["microspeed run: node 1 (hostB) failed first (exit code 1):",
+                                     "  hostB: microspeed run: rank 3 failed (exit code 1):",
+                                     "  hostB: ValueError: boom",
+                                     "microspeed run: stopped the other node(s): node 0 (hostA)"], err
+
+
+@pytest.mark.timeout(60)
+def test_ssh_failing_mid_run_is_named(capsys):
+    ssh_died = "import sys; print('Connection to hostB closed by remote host.', file=sys.stderr); sys.exit(255)"
+    code = multinode.run_ssh_nodes({"hostA": [sys.executable, "-c", _WAITS], "hostB": [sys.executable, "-c", ssh_died]})
+    err = capsys.readouterr().err
+    assert code == 1
+    assert ("microspeed run: node 1 (hostB) failed first: ssh to hostB failed (exit code 255): Connection to hostB "
+            "closed by remote host.") in err, err
+
+
+def test_nodes_that_succeed_give_0(capsys):
+    assert multinode.run_ssh_nodes({h: [sys.executable, "-c", "print('done')"] for h in ("a", "b")}) == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["a: done", "b: done"]
+
+
 # ---------------------------------------------------------------------------------------- real ssh errors
 
 

@@ -382,19 +382,37 @@ def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S)
 
 
 def run_one(argv: Sequence[str], env: Mapping[str, str] | None = None, kill_argv: Sequence[str] | None = None) -> int:
-    """Run one launcher process (pdsh, srun) to its end; on SIGINT/SIGTERM stop it (and run ``kill_argv``)."""
-    proc = subprocess.Popen(list(argv), env=dict(env) if env is not None else None)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT)
+    """Run one launcher process (pdsh, srun) to its end; on SIGINT/SIGTERM stop it (and run ``kill_argv``).
+
+    srun ends the whole step when a task fails (``--kill-on-bad-exit=1``); pdsh waits for every host, whose
+    ranks end when their peers' connections close (or at the collectives' timeout).
+    """
+    env = dict(env) if env is not None else None
+    proc = subprocess.Popen(list(argv), env=env)
+    stopped: list[int] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        stopped.append(signum)
+        proc.send_signal(signal.SIGINT)  # srun: cancels the step; pdsh: ends its ssh's
         if kill_argv:
-            subprocess.run(list(kill_argv), env=dict(env) if env is not None else None, check=False)
-        try:
-            return proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return 130
+            subprocess.run(list(kill_argv), env=env, check=False, timeout=60)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=STOP_GRACE_S if stopped else None)
+                break
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if stopped:
+        print(f"microspeed run: stopped by {signal.Signals(stopped[0]).name}", file=sys.stderr)
+        return 128 + stopped[0]
+    return code
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -417,7 +435,7 @@ def split_launcher_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def parser() -> argparse.ArgumentParser:
     """The hostfile launcher's own options (the rest of the launcher options go to every node's torchrun)."""
-    p = argparse.ArgumentParser(prog="microspeed run --hostfile", add_help=False)
+    p = argparse.ArgumentParser(prog="microspeed run --hostfile", add_help=False, allow_abbrev=False)
     p.add_argument("-H", "--hostfile", required=True)
     p.add_argument("-i", "--include", default="")
     p.add_argument("-e", "--exclude", default="")
@@ -505,7 +523,6 @@ def main(args: Sequence[str]) -> int:
               f"(--force_multi to go through the launcher)", file=sys.stderr)
         from microspeed.cli.run import main as run_main
 
-        os.environ.clear()
         os.environ.update(launch["env"])
         return run_main(launch["argv"])
     tool = {"ssh": "ssh", "pdsh": "pdsh", "slurm": "srun"}[launcher]
