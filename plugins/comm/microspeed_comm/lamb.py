@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from microspeed.plugin_api import comm
 from microspeed_comm.compressed import DEFAULT_BLOCK_SIZE
 from microspeed_comm.onebit import OneBitOptimizer, check_number
 
@@ -219,12 +218,7 @@ class OneBitLamb(OneBitOptimizer):
                 partial[:, col].index_add_(0, ids, x.reshape(-1).double().square())
             if ratio is not None:
                 partial[:, 3].scatter_reduce_(0, ids, ratio.reshape(-1).double(), "amax")
-        if self.world_size > 1:
-            gathered = [torch.empty_like(partial) for _ in range(self.world_size)]
-            comm.all_gather(gathered, partial, group=self.group)
-            stacked = torch.stack(gathered)
-            partial = torch.cat([stacked[..., :3].sum(0), stacked[..., 3:].amax(0)], dim=1)
-        return partial
+        return self.reduce_partials(partial, summed=3)  # over each parameter's holders (experts: replica group)
 
     def _partitioned_step(self) -> None:
         """One step on slices of parameters: every ratio is computed from whole-parameter sums over the group.

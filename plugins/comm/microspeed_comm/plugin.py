@@ -24,9 +24,12 @@ DeepSpeed matches them), or when the client passes one of those optimizers to ``
   ``full_precision_gradients_next()`` is true (the warm-up, 0/1 Adam's variance steps) and with its
   error-feedback 1-bit reduce-scatter otherwise. 1-bit LAMB reads the parameter boundaries the
   partitioner puts on its slices (``partition_pieces``) and sums its whole-parameter norms over the
-  data-parallel group. Refused with a partitioning, with the reason: 0/1 Adam with local steps
-  (``local_step_clipper`` > 1: a local step updates every parameter from that rank's own momentum),
-  and any partitioner that does not attach (it would split what the optimizer exchanges whole).
+  data-parallel group. With MoE, the partitioner lays experts out in segments of their replica group and
+  runs that exchange (error buffers included) per group; 1-bit LAMB sums an expert's norms over the
+  ranks of its replica group (the slices carry ``replica_group``). Refused with a partitioning, with the
+  reason: 0/1 Adam with local steps (``local_step_clipper`` > 1: a local step updates every parameter
+  from that rank's own momentum), and any partitioner that does not attach (it would split what the
+  optimizer exchanges whole).
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ from microspeed.plugin_api import (
     comm,
     get_logger,
     hookimpl,
-    reduced_over_data_parallel,
 )
 from microspeed_comm import bitpack
 from microspeed_comm.adam import OneBitAdam
@@ -222,7 +224,6 @@ class CommPlugin:
                                       f"(full-precision groups, momentum masks shaped like the parameter), while "
                                       f"a gradient partitioning steps flat slices; drop {key!r} or use "
                                       f"zero_optimization.stage 0.")
-        self._refuse_held_apart(name)
         if isinstance(optimizer, OneBitLamb):
             cut = [i for i, g in enumerate(optimizer.param_groups) for p in g["params"]
                    if not hasattr(p, "partition_pieces")]
@@ -245,17 +246,6 @@ class CommPlugin:
         if not self.partitioned:
             raise RuntimeError("GradientCompression.error: no partition optimizer is attached")
         return self.optimizer.partition_error(key, numel, device)
-
-    def _refuse_held_apart(self, name: str) -> None:
-        """With a partitioner: refuse parameters held by only some data-parallel ranks (MoE experts)."""
-        held_apart = [n for n, p in self.engine.module.named_parameters() if not reduced_over_data_parallel(p)]
-        if held_apart:
-            raise ConfigError(f"{name}: parameters such as {held_apart[0]!r} are held by only some "
-                              f"data-parallel ranks (MoE experts), and with a gradient partitioning the partition "
-                              f"optimizer's exchanges (1-bit LAMB's whole-parameter sums, the error-feedback state "
-                              f"it keeps) are laid out for the data-parallel group only; use {name} with MoE at "
-                              f"zero_optimization.stage 0 (experts are compressed over their replica groups), or Adam "
-                              f"with ZeRO and MoE.")
 
     @hookimpl
     def microspeed_setup(self, engine) -> None:

@@ -68,13 +68,15 @@ def test_split_groups_train_through_initialize():
     assert any(not torch.equal(a, b) for a, b in zip(before, moe.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}, "zero_optimization": {"stage": 1}},
-     r"OneBitAdam: parameters such as 'deepspeed_moe.experts.deepspeed_experts.0.weight' are held by only some"),
-])
-def test_what_cannot_keep_experts_apart_is_refused_at_initialize(extra, match):
-    from microspeed.errors import ConfigError
-
-    config = {"train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, **extra}
-    with pytest.raises(ConfigError, match=match):
-        microspeed.initialize(model=_moe(num_experts=2), config=config)
+@pytest.mark.parametrize("opt", ["OneBitAdam", "OneBitLamb"])
+def test_onebit_with_zero_and_experts_steps_the_expert_slices_as_their_replica_groups(opt):
+    """1-bit x MoE x ZeRO (refused until the partitioned exchange ran per replica group): ZeRO attaches the
+    optimizer and marks the expert slices with their group (training: ``test_onebit_moe_zero``)."""
+    config = {"train_batch_size": 1, "optimizer": {"type": opt, "params": {"lr": 1e-3, "freeze_step": 2}},
+              "zero_optimization": {"stage": 1}}
+    engine, *_ = microspeed.initialize(model=_moe(num_experts=2), config=config)
+    inner = engine.plugin_state("comm").optimizer
+    marked = [v for g in inner.param_groups for v in g["params"] if getattr(v, "replica_group", None) is not None]
+    assert inner.partitioned and marked
+    assert sum(v.numel() for v in marked) == sum(p.numel() for n, p in engine.module.named_parameters()
+                                                  if "experts" in n)

@@ -9,7 +9,10 @@ copy of its own slice) followed by a local sum. NCCL keeps its native collective
 
 With a :class:`~microspeed.plugin_api.GradientCompression` attached (the 1-bit optimizers),
 :class:`CompressedPartitionedReduce` replaces the exact reduction of the steps the optimizer marks
-compressible by an error-feedback 1-bit reduce-scatter (:func:`partitioned_reduce` picks it).
+compressible by an error-feedback 1-bit reduce-scatter (:func:`partitioned_reduce` picks it). The reducer
+makes one per group its segments are split over: the data-parallel group, and each replica group of MoE
+experts (whose segments' sender errors are named with the group's ranks, so a checkpoint restores them only
+into the same group).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed.plugin_api import comm
+from microspeed.plugin_api import comm, replica_group
 
 
 def backend_of(group: Any) -> str:
@@ -164,7 +167,7 @@ class CompressedPartitionedReduce:
         lay = self.layout(key, wire.numel())
         x = torch.zeros(self.world * lay.chunk, dtype=torch.float32, device=wire.device)
         x.index_copy_(0, lay.dst.to(wire.device), wire.reshape(-1)[lay.src.to(wire.device)].float())
-        error = self.codec.error(f"zero.segment{getattr(key, 'index', key)}", x.numel(), wire.device)
+        error = self.codec.error(_error_key(key), x.numel(), wire.device)
         bits, scales = self.codec.compress(x, error, lay.block)
         error.index_fill_(0, lay.pad.to(wire.device), 0.0)  # the padding carries no error
         if not bool(torch.isfinite(scales).all()):  # an fp16 overflow: the step is skipped, the error restarts
@@ -194,6 +197,15 @@ class CompressedPartitionedReduce:
         mine = torch.zeros(shard, dtype=torch.float32, device=recv.device)
         mine.index_copy_(0, lay.mine_local.to(recv.device), total[lay.mine_pos.to(recv.device)])
         return [mine]
+
+
+def _error_key(segment: Any) -> str:
+    """The name of ``segment``'s sender error: ``zero.segment<index>``, plus ``@<ranks>`` for a segment of a replica
+    group (MoE experts), so that a checkpoint restores it only into the same group."""
+    name = f"zero.segment{getattr(segment, 'index', segment)}"
+    params = getattr(segment, "params", None)
+    rg = replica_group(params[0]) if params else None
+    return name if rg is None else f"{name}@{','.join(map(str, rg.ranks))}"
 
 
 class _Layout:

@@ -133,6 +133,9 @@ class ZeroRuntime:
         self._find_ties()
         self._make_accumulators()
         self._make_masters()
+        for seg, _g, _s, _e, view in self.optimizer.runs:  # a replica group's slices say so (1-bit LAMB's sums)
+            if replica_group(seg.params[0]) is not None:
+                view.replica_group = replica_group(seg.params[0])
         self.optimized = [seg for seg in self.segments if seg.index in self.masters]
         codec = self.engine.capabilities.get(GradientCompression)  # 1-bit optimizers: compressed reduce-scatter
         compression = (codec, codec.attach(self.optimizer.inner)) if codec and codec.accepts(optimizer) else None
