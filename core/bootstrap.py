@@ -79,6 +79,7 @@ def initialize(
     def configure() -> Topology:
         topology = pm.answered("microspeed_make_topology", pm.hook.microspeed_make_topology(
             config=cfg, world_size=world_size, mpu=mpu, model=model))
+        pm.hook.microspeed_adjust_batch(config=cfg, dp_world_size=topology.data_parallel_size)
         resolve_batch_triad(cfg, topology.data_parallel_size)
         pm.hook.microspeed_configure(config=cfg, world_size=world_size)
         for name, answers in pm.call_each("microspeed_capabilities", config=cfg):

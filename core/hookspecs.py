@@ -178,6 +178,18 @@ def microspeed_make_topology(config: Config, world_size: int, mpu: Any, model: t
 
 
 @hookspec
+def microspeed_adjust_batch(config: Config, dp_world_size: int) -> None:
+    """Notification: set the batch triad for this data-parallel size, before the core resolves it.
+
+    Fires once per engine, right after :func:`microspeed_make_topology` (``dp_world_size`` is its
+    data-parallel size) and before the batch triad (``train_batch_size = train_micro_batch_size_per_gpu
+    * gradient_accumulation_steps * dp_world_size``) is resolved and checked. A plugin that derives
+    the batch from the world size (the built-in ``elasticity``: DeepSpeed's elastic batch sizes)
+    writes the three keys with ``config.set``; the core then resolves and checks them as it does a
+    user's. Raise :class:`microspeed.ConfigError` naming the key to refuse.
+    """
+
+@hookspec
 def microspeed_setup(engine: Engine) -> None:
     """The engine exists (config, topology, plugin manager); attach per-engine state.
 

@@ -42,6 +42,7 @@ ENV_PLUGINS = "MICROSPEED_PLUGINS"
 #: Built-in plugins, in registration order: ``name -> "module:attribute"``.
 BUILTIN_PLUGINS: dict[str, str] = {
     "config_core": "microspeed.builtin.core_config:CoreConfigPlugin",
+    "elasticity": "microspeed.elasticity.plugin:ElasticityPlugin",
     "data_parallel": "microspeed.builtin.data_parallel:DataParallelPlugin",
     "gradient_accumulation": "microspeed.builtin.gradient_accumulation:GradientAccumulationPlugin",
     "gradient_clipping": "microspeed.builtin.gradient_clipping:GradientClippingPlugin",

@@ -14,7 +14,8 @@ module about every key no section schema lists:
 The table was read off DeepSpeed 0.19.8's pydantic config models (``DeepSpeedZeroConfig``,
 ``DeepSpeedFP16Config``, the monitor and comms-logger configs, ``TPTrainingConfig``) and its
 ``runtime/constants.py``, ``swap_tensor/constants.py``, ``profiling/constants.py`` and
-``runtime/config.py`` (``DeepSpeedConfig._initialize_params``); DeepSpeed is never imported.
+``runtime/config.py`` (``DeepSpeedConfig._initialize_params``); the ``elasticity`` keys are those of its
+last elastic release, 0.16.9 (``elasticity/constants.py``). DeepSpeed is never imported.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 #: Sections whose every subkey counts as DeepSpeed's (it passes them on, or no plugin here validates them).
 OPEN_SECTIONS: frozenset[str] = frozenset({
-    "amp", "autotuning", "compile", "compression_training", "eigenvalue", "elasticity", "expert_parallel",
+    "amp", "autotuning", "compile", "compression_training", "eigenvalue", "expert_parallel",
     "hybrid_engine", "nebula", "optimizer.params", "quantize_training", "scheduler.params", "timers",
     "weight_quantization",
 })
@@ -53,6 +54,8 @@ _SECTIONS: dict[str, str] = {
     "comms_logger": ("debug enabled prof_all prof_ops verbose"),
     "csv_monitor": ("enabled job_name output_path"),
     "data_types": ("buffer_dtype grad_accum_dtype param_dtype"),
+    "elasticity": ("enabled ignore_non_elastic_batch_info max_gpus max_train_batch_size micro_batch_sizes min_gpus "
+        "min_time model_parallel_size num_gpus_per_node prefer_larger_batch version"),
     "flops_profiler": ("detailed enabled module_depth output_file profile_step recompute_fwd_factor top_modules"),
     "fp16": ("auto_cast consecutive_hysteresis enabled fp16_master_weights_and_grads hysteresis "
         "initial_scale_power loss_scale loss_scale_window min_loss_scale"),
@@ -141,7 +144,6 @@ REFUSED: dict[str, str] = {
     "amp": "NVIDIA Apex AMP is not supported; use \"bf16\" or \"fp16\"",
     "torch_autocast": "torch.autocast training is not supported; use \"bf16\" or \"fp16\" (whole-model "
                       "low precision with fp32 master weights)",
-    "elasticity": "elastic batch sizes are not supported; give the batch triad",
     "compression_training": "DeepSpeed Compression is not supported",
     "quantize_training": "quantization-aware training is not supported",
     "weight_quantization": "weight quantization is not supported",
