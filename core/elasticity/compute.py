@@ -102,6 +102,12 @@ def compute_elastic_config(ds_config: dict, target_deepspeed_version: str, world
         ElasticityError: ``target_deepspeed_version`` predates elasticity, or version 0.2's
             ``num_gpus_per_node`` is not a multiple of ``model_parallel_size``.
         ElasticityIncompatibleWorldSize: ``world_size`` is not a valid count.
+
+    Where DeepSpeed 0.16.9 fails with a plain Python error instead (a non-dict config or a micro
+    batch above the maximum: ``ValueError``; an unknown version: ``NotImplementedError``; version 0.1
+    with ``return_microbatch`` and no world size: ``ZeroDivisionError``; no valid GPU count at all:
+    ``TypeError``), this raises the elasticity error above that names the key; every one is a
+    :class:`microspeed.ConfigError` and so a ``ValueError``.
     """
     if not isinstance(ds_config, dict):
         raise ElasticityConfigError(f"ds_config: expected a dict, got {type(ds_config).__name__}: {ds_config!r}.")
