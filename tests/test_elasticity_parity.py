@@ -23,6 +23,7 @@ import random
 import subprocess
 import sys
 import tarfile
+import tempfile
 import types
 from pathlib import Path
 
@@ -60,22 +61,19 @@ def _archive() -> Path:
     if path.is_file():
         return path
     CACHE.mkdir(parents=True, exist_ok=True)
-    part = CACHE / f"download-{os.getpid()}"
-    cmd = [sys.executable, "-m", "pip", "download", f"deepspeed=={RELEASE}", "--no-deps", "--no-binary", ":all:",
-           "--disable-pip-version-check", "-d", str(part)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"cannot download DeepSpeed {RELEASE}'s source archive (pip download timed out after 600 s)")
-    got = part / ARCHIVE
-    if done.returncode != 0 or not got.is_file():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        pytest.skip(f"cannot download DeepSpeed {RELEASE}'s source archive from the package index "
-                    f"(no network?): {' | '.join(tail)}")
-    got.replace(path)
-    for leftover in part.iterdir():
-        leftover.unlink()
-    part.rmdir()
+    with tempfile.TemporaryDirectory(dir=CACHE, prefix="download-") as part:
+        cmd = [sys.executable, "-m", "pip", "download", f"deepspeed=={RELEASE}", "--no-deps", "--no-binary",
+               ":all:", "--disable-pip-version-check", "-d", part]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.skip(f"cannot download DeepSpeed {RELEASE}'s source archive (pip download timed out after 600 s)")
+        got = Path(part) / ARCHIVE
+        if done.returncode != 0 or not got.is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            pytest.skip(f"cannot download DeepSpeed {RELEASE}'s source archive from the package index "
+                        f"(no network?): {' | '.join(tail)}")
+        got.replace(path)
     return path
 
 
