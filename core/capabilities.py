@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from microspeed.errors import PluginError
 
@@ -111,6 +111,58 @@ class GradientCompression(Capability):
     decompress: Callable[..., Any]
     block_size: int
     error: Callable[[Any, int, Any], Any]
+
+
+@runtime_checkable
+class ElementwiseState(Protocol):
+    """An optimizer whose state is element-wise over its parameters, so a partitioner may stream it (NVMe offload).
+
+    The contract, for a partitioner that keeps the state out of memory and steps it a piece at a time:
+
+    * :meth:`elementwise_state` names every state tensor shaped like its parameter (``state[p][name]``) and the
+      value it starts at; every other entry of ``state[p]`` is a scalar, the same for all pieces of a parameter.
+    * ``step()`` updates exactly the parameters holding a ``grad`` (skipping the others), element by element,
+      reading and writing only their ``state[p]``: the caller may pass any pieces of a parameter slice as the
+      parameters (views of its buffers, the named state tensors views of its buffers too), and step a
+      partition in several calls per training step, each seeing the scalars as they were before the step.
+    * :meth:`forget` drops whatever the optimizer keeps for ``params`` outside ``state`` (caches), so that
+      pieces the caller hands over once hold no memory after their call.
+    """
+
+    def elementwise_state(self) -> dict[str, float]:
+        """``{name: initial value}`` of the per-element state tensors of every parameter."""
+        ...
+
+    def forget(self, params: list[Any]) -> None:
+        """Drop anything kept for ``params`` outside the optimizer's ``state`` (they will not be stepped again)."""
+        ...
+
+
+@runtime_checkable
+class ParameterSums(Protocol):
+    """An :class:`ElementwiseState` optimizer whose update also needs sums over whole parameters (LAMB's norms).
+
+    A partitioner that steps pieces in several calls first streams every piece once, calling
+    :meth:`parameter_sums` (which changes nothing) with the same parameters, gradients and state the step will
+    see; then every rank of the group calls :meth:`reduce_parameter_sums` once (a collective); then it
+    hands the result to :meth:`use_parameter_sums`, steps the pieces, and calls ``use_parameter_sums(None)``.
+    """
+
+    def needs_parameter_sums(self) -> bool:
+        """Whether the next ``step()`` needs whole-parameter sums (else the first pass is skipped)."""
+        ...
+
+    def parameter_sums(self, totals: Any) -> Any:
+        """``totals`` (``None`` at first) plus this call's parameters' partial sums; nothing is modified."""
+        ...
+
+    def reduce_parameter_sums(self, totals: Any) -> Any:
+        """This rank's ``totals`` combined over the optimizer's group (every rank calls it once per step)."""
+        ...
+
+    def use_parameter_sums(self, sums: Any) -> None:
+        """The next ``step()`` calls take ``sums`` (from :meth:`reduce_parameter_sums`); ``None``: their own."""
+        ...
 
 
 C = TypeVar("C", bound=Capability)

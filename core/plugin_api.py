@@ -12,6 +12,7 @@ What is here, by concern:
   :func:`load_raw`, :func:`parse`;
 * **cooperation**: :class:`Role`, :class:`Capability` and the kinds plugins state
   (:class:`GradientPartitioning`, :class:`GradientCompression`, :class:`LossScaling`), :class:`Capabilities`;
+  optimizer protocols :class:`ElementwiseState` / :class:`ParameterSums` (state a partitioner may stream);
 * **compositions**: :class:`Feature` and :class:`Refusal` (hooks ``microspeed_features`` / ``microspeed_refusals``),
   :class:`Matrix`, :func:`composition_matrix` and :func:`refuse_pairs`;
 * **gradients**: :class:`ReplicaGroup` / :func:`replica_group` / :func:`reduced_over_data_parallel`,
@@ -35,9 +36,11 @@ from microspeed import comm
 from microspeed.capabilities import (
     Capabilities,
     Capability,
+    ElementwiseState,
     GradientCompression,
     GradientPartitioning,
     LossScaling,
+    ParameterSums,
     Role,
 )
 from microspeed.compositions import Feature, Matrix, Refusal, composition_matrix, refuse_pairs
@@ -93,6 +96,7 @@ __all__ = [
     "CheckpointWarning",
     "Config",
     "ConfigError",
+    "ElementwiseState",
     "EngineUsageError",
     "Feature",
     "Field",
@@ -103,6 +107,7 @@ __all__ = [
     "Matrix",
     "NormRule",
     "Placement",
+    "ParameterSums",
     "PluginError",
     "Refusal",
     "ReplicaGroup",

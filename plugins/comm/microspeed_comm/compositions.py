@@ -20,10 +20,9 @@ FEATURES = (
     Feature("zero-one-adam", "0/1 Adam", '"optimizer": {"type": "ZeroOneAdam"}', choice=OPTIMIZER_TYPE),
     Feature("onebit-lamb", "1-bit LAMB", '"optimizer": {"type": "OneBitLamb"}', choice=OPTIMIZER_TYPE),
 )
-"""The ``comm`` plugin's features (the 1-bit Adams with NVMe offload are refused by the ``zero`` plugin, whose
-NVMe step runs Adam only)."""
+"""The ``comm`` plugin's features."""
 
-ZERO_FEATURES = ("zero-1", "zero-2", "zero-3", "offload-cpu")
+ZERO_FEATURES = ("zero-1", "zero-2", "zero-3", "offload-cpu", "offload-nvme")
 """The ZeRO features a 1-bit optimizer steps through: ZeRO takes the comm plugin's compressed reduce-scatter
 (the GradientCompression capability) and steps the same optimizer on its partitions (1-bit LAMB sums its
 whole-parameter norms over the group from the slices' ``partition_pieces``)."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from microspeed.plugin_api import comm
 from microspeed_comm.compressed import DEFAULT_BLOCK_SIZE
 from microspeed_comm.onebit import OneBitOptimizer, check_number
 
@@ -67,6 +68,7 @@ class OneBitLamb(OneBitOptimizer):
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self.lamb_coeffs: list[float] = []
         self._ids: dict[torch.Tensor, tuple[int, torch.Tensor]] = {}
+        self._given_sums: torch.Tensor | None = None
 
     def full_precision_gradients_next(self) -> bool:
         """True during the warm-up: the next step's gradients must be averaged at full precision."""
@@ -208,35 +210,79 @@ class OneBitLamb(OneBitOptimizer):
                                                  float(value.reshape(-1)[0]) if value.numel() else default)
         return value
 
-    def _whole_parameter_sums(self, rows: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]],
-                              count: int, device: Any) -> torch.Tensor:
-        """``[count, 4]``: per parameter, sums over the group of the squares of ``rows``' three tensors and the
-        maximum of the fourth (one collective for the step, the same shape in every phase)."""
+    def _local_sums(self, rows: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]],
+                    count: int, device: Any) -> torch.Tensor:
+        """``[count, 4]``: per parameter, this rank's sums of the squares of ``rows``' three tensors and the maximum
+        of the fourth."""
         partial = torch.zeros(count, 4, dtype=torch.float64, device=device)
         for ids, squares, ratio in rows:
             for col, x in enumerate(squares):
                 partial[:, col].index_add_(0, ids, x.reshape(-1).double().square())
             if ratio is not None:
                 partial[:, 3].scatter_reduce_(0, ids, ratio.reshape(-1).double(), "amax")
-        return self.reduce_partials(partial, summed=3)  # over each parameter's holders (experts: replica group)
+        return partial
 
-    def _partitioned_step(self) -> None:
-        """One step on slices of parameters: every ratio is computed from whole-parameter sums over the group.
+    def _whole_parameter_sums(self, partial: torch.Tensor) -> torch.Tensor:
+        """``[count, 4]``: :meth:`_local_sums` summed (maximised, the fourth) over the group (one collective for the
+        step, the same shape in every phase)."""
+        if self.world_size > 1:
+            gathered = [torch.empty_like(partial) for _ in range(self.world_size)]
+            comm.all_gather(gathered, partial, group=self.group)
+            stacked = torch.stack(gathered)
+            partial = torch.cat([stacked[..., :3].sum(0), stacked[..., 3:].amax(0)], dim=1)
+        return partial
 
-        The gradients arrive averaged over the group (exactly in the warm-up, else by the partitioner's
-        1-bit reduce-scatter with error feedback), so nothing is compressed here and the momenta need no
-        scaling coefficients; what LAMB takes from whole parameters (``||w||``, ``||update||``, the largest
-        frozen/fresh denominator ratio) is summed (or maximised) per parameter over the group in one
-        collective of ``4 * parameters`` values. The recorded ratio and last factor are kept per element
-        (each element holds its parameter's), so they are checkpointed and resharded like the momentum.
-        """
+    # -- streamed (ZeRO's NVMe offload: microspeed.plugin_api.ElementwiseState / ParameterSums) ---------
+
+    def elementwise_state(self) -> dict[str, float]:
+        """Momentum, variance, fresh variance, and (partitioned: one value per element, its parameter's) the
+        recorded trust ratio and the last factor, with their initial values."""
+        return {"exp_avg": 0.0, "exp_avg_sq": 0.0, "exp_avg_sq_fresh": 0.0, "lamb_coeff_freeze": 0.0,
+                "last_factor": 1.0}
+
+    def forget(self, params: list[torch.Tensor]) -> None:
+        """Drop what is cached for ``params`` outside ``state`` (frozen denominators, parameter ids)."""
+        super().forget(params)
+        for p in params:
+            self._ids.pop(p, None)
+
+    def needs_parameter_sums(self) -> bool:
+        """Partitioned, every step's ratios need whole-parameter norms."""
+        return self.partitioned
+
+    def parameter_sums(self, totals: torch.Tensor | None) -> torch.Tensor:
+        """``totals`` plus the partial sums of the parameters holding a gradient (as the next ``step()`` computes
+        them, on copies of the state: nothing is modified)."""
+        stepped, t, count, device = self._partitioned_setup()
+        rows, _ = self._partitioned_rows(stepped, t, modify=False)
+        partial = self._local_sums(rows, count, device)
+        if totals is None:
+            return partial
+        return torch.cat([totals[:, :3] + partial[:, :3], torch.maximum(totals[:, 3:], partial[:, 3:])], dim=1)
+
+    def reduce_parameter_sums(self, totals: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums over the whole partition, combined over the group (one collective)."""
+        return self._whole_parameter_sums(totals)
+
+    def use_parameter_sums(self, sums: torch.Tensor | None) -> None:
+        """The next ``step()`` calls take ``sums`` (whole-parameter sums) instead of exchanging their own."""
+        self._given_sums = sums
+
+    # -- partitioned (ZeRO): whole-parameter ratios from per-parameter partial reductions ---------------
+
+    def _partitioned_setup(self) -> tuple[list[tuple[dict[str, Any], torch.Tensor]], int, int, Any]:
+        """``(stepped (group, param) pairs, the step's number, count of partitioned parameters, device)``."""
         stepped = [(group, p) for group in self.param_groups for p in self.stepped(group)]
         for _, p in stepped:
             self._init_state(p)
-        t = self.global_step() + 1
         held = [p for group in self.param_groups for p in group["params"]]
         count = held[0].partition_pieces[0] if held else 0
         device = next((p.device for p in held if p.numel()), held[0].device if held else None)
+        return stepped, self.global_step() + 1, count, device
+
+    def _partitioned_rows(self, stepped: list[tuple[dict[str, Any], torch.Tensor]], t: int, modify: bool
+                          ) -> tuple[list[Any], list[Any]]:
+        """Fold each gradient into the state (on copies unless ``modify``): ``(rows for the sums, work)``."""
         warmup = t <= self.freeze_step
         rows, work = [], []
         for group, p in stepped:
@@ -244,6 +290,8 @@ class OneBitLamb(OneBitOptimizer):
             state = self.state[p]
             _, ids = self._piece_ids(p)
             m, v, fresh = state["exp_avg"], state["exp_avg_sq"], state["exp_avg_sq_fresh"]
+            if not modify:
+                m, v, fresh = m.clone(), v.clone(), fresh.clone()
             if warmup:
                 m.lerp_(p.grad, 1 - b1)
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
@@ -261,9 +309,27 @@ class OneBitLamb(OneBitOptimizer):
                     fresh.sqrt().add_(group["eps"])
                 rows.append((ids, [p, update, prelim], denom / fresh_denom))
             work.append((group, p, ids, update))
+        return rows, work
+
+    def _partitioned_step(self) -> None:
+        """One step on slices of parameters: every ratio is computed from whole-parameter sums over the group.
+
+        The gradients arrive averaged over the group (exactly in the warm-up, else by the partitioner's
+        1-bit reduce-scatter with error feedback), so nothing is compressed here and the momenta need no
+        scaling coefficients; what LAMB takes from whole parameters (``||w||``, ``||update||``, the largest
+        frozen/fresh denominator ratio) is summed (or maximised) per parameter over the group in one
+        collective of ``4 * parameters`` values — or given (:meth:`use_parameter_sums`) by a streamer that
+        steps the partition in pieces after a first pass. The recorded ratio and last factor are kept per
+        element (each element holds its parameter's), so they are checkpointed and resharded like the momentum.
+        """
+        stepped, t, count, device = self._partitioned_setup()
+        warmup = t <= self.freeze_step
+        rows, work = self._partitioned_rows(stepped, t, modify=True)
         if count == 0:
             return
-        sums = self._whole_parameter_sums(rows, count, device)
+        sums = self._given_sums
+        if sums is None:
+            sums = self._whole_parameter_sums(self._local_sums(rows, count, device))
         weight_norm, update_norm, prelim_norm = sums[:, 0].sqrt(), sums[:, 1].sqrt(), sums[:, 2].sqrt()
         for group, p, ids, update in work:
             state = self.state[p]

@@ -1,10 +1,11 @@
 """What the ``zero`` plugin declares to the composition matrix (``microspeed plugins --matrix``).
 
-Its features, and the pairs it refuses itself (its offloaded steps run Adam); the plugins that cannot
-combine with gradient partitioning declare their own pairs (they ask the
-:class:`~microspeed.plugin_api.GradientPartitioning` capability at ``initialize()``). The refusals are module
-constants: ``ZeroPlugin.microspeed_wrap_optimizer`` and :class:`~microspeed_zero.swap.OptimizerSwapper` raise
-with their messages.
+Its features, and the pair it refuses itself (its forced CPU Adam in place of a 1-bit optimizer); the plugins
+that cannot combine with gradient partitioning declare their own pairs (they ask the
+:class:`~microspeed.plugin_api.GradientPartitioning` capability at ``initialize()``). The refusal is a module
+constant: ``ZeroPlugin.microspeed_wrap_optimizer`` raises with its message. NVMe offload steps Adam/AdamW and
+any optimizer declaring its element-wise state (:class:`~microspeed.plugin_api.ElementwiseState`: the 1-bit
+optimizers), so it refuses no declared feature.
 """
 
 from __future__ import annotations
@@ -26,14 +27,6 @@ FEATURES = (
 )
 """ZeRO's features: the three stages (alternatives of ``zero_optimization.stage``) and the two offload targets."""
 
-NVME_STEP_IS_ADAM = refuse_pairs(
-    ("offload-nvme",), ("onebit-adam", "zero-one-adam", "onebit-lamb"),
-    reason="ZeRO's NVMe-offloaded step streams Adam's state (masters, exp_avg, exp_avg_sq) through a few buffers and "
-           "applies Adam's update to it, so an optimizer with another update (the 1-bit optimizers' frozen variance "
-           "and compressed momentum) has no state there to step",
-    instead="use offload_optimizer.device 'cpu' or 'none' for an optimizer other than torch.optim.Adam/AdamW")
-"""NVMe optimizer offload with the 1-bit optimizers."""
-
 CPU_STEP_IS_ADAM = refuse_pairs(
     ("offload-cpu",), ("onebit-adam", "zero-one-adam", "onebit-lamb"),
     reason='with "zero_force_ds_cpu_optimizer" true, ZeRO\'s CPU-offloaded step runs a fast CPU Adam in place of the '
@@ -42,5 +35,5 @@ CPU_STEP_IS_ADAM = refuse_pairs(
     when='"zero_force_ds_cpu_optimizer" is true (the default)')
 """CPU optimizer offload with the 1-bit optimizers while ZeRO forces its CPU Adam (a condition, not the whole pair)."""
 
-REFUSALS = NVME_STEP_IS_ADAM + CPU_STEP_IS_ADAM
+REFUSALS = CPU_STEP_IS_ADAM
 """Everything the ``zero`` plugin refuses."""

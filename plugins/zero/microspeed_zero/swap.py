@@ -46,12 +46,14 @@ import torch
 import torch.distributed as dist
 from torch.optim.adam import adam as _adam
 
-from microspeed.plugin_api import ConfigError
-from microspeed_zero.compositions import NVME_STEP_IS_ADAM
+from microspeed.plugin_api import ConfigError, ElementwiseState, ParameterSums
 from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore, rank_folder
 
 MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 """Adam's element-wise state tensors kept in files (``max_exp_avg_sq`` is added when a group uses AMSGrad)."""
+
+ADAM: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers the swapper steps with torch's functional Adam itself (others must declare :class:`ElementwiseState`)."""
 
 _SEQUENCE = itertools.count()  # one swap folder per swapper: several engines of one process may share nvme_path
 _PLACEHOLDER = torch.zeros(1)  # what a run view points at while nothing is resident (reads 0, refuses writes)
@@ -104,21 +106,33 @@ class OptimizerSwapper:
 
     def __init__(self, rt: Any) -> None:
         opt, cfg = rt.optimizer, rt.cfg
-        if opt.base_class not in (torch.optim.Adam, torch.optim.AdamW):
+        self.adam = opt.base_class in ADAM
+        if not self.adam and not isinstance(opt.inner, ElementwiseState):
+            name = opt.base_class.__name__
             raise ConfigError(
-                f"zero_optimization.offload_optimizer.device='nvme' with the optimizer {opt.base_class.__name__}: "
-                f"{NVME_STEP_IS_ADAM[0].message()} (optimizer.type 'Adam'/'AdamW' steps on NVMe).")
+                f"zero_optimization.offload_optimizer.device='nvme' with the optimizer {name}: the NVMe swapper "
+                f"streams optimizer state it knows to be element-wise, that of torch.optim.Adam/AdamW or of an "
+                f"optimizer declaring it (microspeed.plugin_api.ElementwiseState: the 1-bit optimizers), and {name} "
+                f"declares none; use optimizer.type 'Adam'/'AdamW', or offload_optimizer.device 'cpu' or 'none'.")
         if not cfg.offload_optimizer_nvme_path:
             raise ConfigError("zero_optimization.offload_optimizer.device='nvme' needs "
                               "zero_optimization.offload_optimizer.nvme_path (a folder to keep the state in).")
         self.rt = rt
         self.keys: set[int] = set(rt.masters)
         self.closed = False
-        self.amsgrad = any(bool(g.get("amsgrad", False)) for g in opt.param_groups)
-        self.tensor_names: tuple[str, ...] = ("master", *MOMENTS) + (("max_exp_avg_sq",) if self.amsgrad else ())
+        if self.adam:
+            self.amsgrad = any(bool(g.get("amsgrad", False)) for g in opt.param_groups)
+            self.initial: dict[str, float] = dict.fromkeys(MOMENTS + (("max_exp_avg_sq",) if self.amsgrad else ()),
+                                                           0.0)
+        else:
+            self.amsgrad = False
+            self.initial = {str(k): float(v) for k, v in opt.inner.elementwise_state().items()}
+        self.tensor_names: tuple[str, ...] = ("master", *self.initial)
         self._runs = list(opt.runs)
         self._steps: list[float] = [0.0] * len(self._runs)
+        self._scalars: list[dict[str, Any]] = [{} for _ in self._runs]  # non-Adam: the state's scalars (resident())
         self.subgroups = self._layout(max(1, int(cfg.sub_group_size)))
+        self._parts = {p: self._piece_parts(p) for sg in self.subgroups for p in sg.pieces}
         self._cover: dict[int, int] = {}
         for sg in self.subgroups:
             for s in sg.segments:
@@ -169,9 +183,19 @@ class OptimizerSwapper:
             sg.keys = [f"subgroup{sg.index:05d}/{name}" for name in self.tensor_names]
         return subgroups
 
+    def _piece_parts(self, piece: Piece) -> tuple[int, tuple[tuple[int, int, int], ...]] | None:
+        """The run view's ``partition_pieces`` cut to ``piece`` (offsets from the piece's start), or ``None``."""
+        _seg, _g, run_start, _end, view = self._runs[piece.run]
+        parts = getattr(view, "partition_pieces", None)
+        if parts is None:
+            return None
+        off, n = piece.start - run_start, piece.end - piece.start
+        return parts[0], tuple((i, max(lo, off) - off, min(hi, off + n) - off) for i, lo, hi in parts[1]
+                               if max(lo, off) < min(hi, off + n))
+
     def _write_initial(self, masters: dict[int, torch.Tensor]) -> None:
-        """Masters into their files (staged through the slots, one write in flight per slot); moments as zero
-        (sparse) files, which cost no memory."""
+        """Masters into their files (staged through the slots, one write in flight per slot); state tensors that
+        start at zero as zero (sparse) files, which cost no memory, the others filled with their initial value."""
         pending: list[list[SwapHandle]] = [[] for _ in self._slots]
         for k, sg in enumerate(self.subgroups):
             slot = k % len(self._slots)
@@ -181,8 +205,11 @@ class OptimizerSwapper:
             for p in sg.pieces:
                 buf[p.lo:p.hi].copy_(masters[p.seg][p.start:p.end])
             pending[slot] = [self.store.write_async(sg.keys[0], buf)]
-            for key in sg.keys[1:]:
-                self.store.allocate(key, sg.numel, torch.float32)
+            for j, (key, value) in enumerate(zip(sg.keys[1:], self.initial.values(), strict=True), start=1):
+                if value == 0.0:
+                    self.store.allocate(key, sg.numel, torch.float32)
+                else:
+                    pending[slot].append(self.store.write_async(key, self._slots[slot][j][:sg.numel].fill_(value)))
         for handles in pending:
             for h in handles:
                 h.wait()
@@ -210,13 +237,16 @@ class OptimizerSwapper:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self, order: list[Any], g32: dict[int, torch.Tensor], coef: Any) -> None:
-        """One Adam/AdamW step of this rank's partition, streamed from the files.
+        """One optimizer step of this rank's partition, streamed from the files.
 
         ``order``: the optimized segments in the order to publish them (forward order);
         ``g32[seg.index]``: this rank's averaged fp32 CPU gradient slice of each (scaled in place by
         ``coef``, a float or 0-d tensor folding loss unscaling and clipping). New master values are
         written into ``rt.local_params(seg)`` and each segment is published (``rt.publish``) once all
-        of its sub-groups are stepped.
+        of its sub-groups are stepped. Adam/AdamW: torch's functional Adam on each sub-group's pieces.
+        Another optimizer (:class:`ElementwiseState`): its own ``step()`` on the pieces, as parameters
+        viewing the slot (see :meth:`_step_pieces`); one asking for whole-parameter sums
+        (:class:`ParameterSums`) first gets a read-only pass over every sub-group and one collective.
         """
         self._check_open()
         if self._depth:
@@ -234,24 +264,117 @@ class OptimizerSwapper:
         scale = not (isinstance(coef, float) and coef == 1.0)
         if scale and isinstance(coef, torch.Tensor):
             coef = coef.to(device="cpu", dtype=torch.float32)
+        inner = rt.optimizer.inner
+        before = after = None
+        sums = False
         with torch.no_grad():
-            if self.subgroups:
-                pf = self._prefetcher(visit, len(self.tensor_names))
-                for i, tensors in pf:
-                    sg = self.subgroups[visit[i]]
-                    self._adam(sg, tensors, g32, coef if scale else None)
-                    for p in sg.pieces:
-                        local = rt.local_params(rt.segments[p.seg])
-                        local[p.start:p.end].copy_(tensors[0][p.lo:p.hi])
-                    pf.mark_dirty()
-                    for s in sg.segments:
-                        remaining[s] -= 1
-                    while done < len(order) and remaining.get(order[done].index, 0) == 0:
-                        rt.publish(order[done])
-                        done += 1
-            for seg in order[done:]:
-                rt.publish(seg)
-        self._steps = [s + 1.0 for s in self._steps]
+            if not self.adam:  # the state's scalars as they were before the step: every piece of a run starts there
+                before = [self._scalar_state(inner.state.get(view, {})) for *_, view in self._runs]
+                after = [dict(b) for b in before]
+                if scale:
+                    for sg in self.subgroups:
+                        for p in sg.pieces:
+                            g32[p.seg][p.start:p.end].mul_(coef)
+                sums = isinstance(inner, ParameterSums) and inner.needs_parameter_sums()
+                if sums:
+                    self._first_pass(visit, g32, before)
+            try:
+                if self.subgroups:
+                    pf = self._prefetcher(visit, len(self.tensor_names))
+                    for i, tensors in pf:
+                        sg = self.subgroups[visit[i]]
+                        if self.adam:
+                            self._adam(sg, tensors, g32, coef if scale else None)
+                        else:
+                            self._step_pieces(sg, tensors, g32, before, after)
+                        for p in sg.pieces:
+                            local = rt.local_params(rt.segments[p.seg])
+                            local[p.start:p.end].copy_(tensors[0][p.lo:p.hi])
+                        pf.mark_dirty()
+                        for s in sg.segments:
+                            remaining[s] -= 1
+                        while done < len(order) and remaining.get(order[done].index, 0) == 0:
+                            rt.publish(order[done])
+                            done += 1
+                for seg in order[done:]:
+                    rt.publish(seg)
+            finally:
+                if sums:
+                    inner.use_parameter_sums(None)
+        if self.adam:
+            self._steps = [s + 1.0 for s in self._steps]
+        else:
+            for (*_, view), scalars in zip(self._runs, after, strict=True):
+                inner.state[view] = scalars
+
+    def _scalar_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` without its streamed tensors (nor any other tensor shaped like a parameter)."""
+        return {k: v for k, v in state.items()
+                if k not in self.initial and not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+
+    @contextlib.contextmanager
+    def _installed(self, sg: SubGroup, tensors: list[torch.Tensor], g32: dict[int, torch.Tensor],
+                   before: list[dict[str, Any]]) -> Iterator[list[tuple[Piece, torch.Tensor]]]:
+        """The inner optimizer over ``sg``'s pieces only, as parameters viewing the slot ``tensors``.
+
+        Each piece's parameter views ``tensors[0]``, carries its gradient slice as ``grad`` and the run view's
+        attributes (``partition_pieces`` cut to the piece); its state is the run's scalars from ``before`` plus
+        the declared tensors, views of the slot. On exit the groups get their run views back, the pieces' state
+        entries are removed and the optimizer :meth:`~ElementwiseState.forget` s them.
+        """
+        inner = self.rt.optimizer.inner
+        saved = [group["params"] for group in inner.param_groups]
+        lists: list[list[torch.Tensor]] = [[] for _ in saved]
+        pieces: list[tuple[Piece, torch.Tensor]] = []
+        for p in sg.pieces:
+            _seg, g, _s, _e, view = self._runs[p.run]
+            param = tensors[0][p.lo:p.hi]
+            for key, value in vars(view).items():
+                setattr(param, key, value)
+            parts = self._parts[p]
+            if parts is not None:
+                param.partition_pieces = parts
+            param.grad = g32[p.seg][p.start:p.end]
+            state = dict(before[p.run])
+            for j, name in enumerate(self.initial, start=1):
+                state[name] = tensors[j][p.lo:p.hi]
+            inner.state[param] = state
+            lists[g].append(param)
+            pieces.append((p, param))
+        try:
+            for group, params in zip(inner.param_groups, lists, strict=True):
+                group["params"] = params
+            yield pieces
+        finally:
+            for group, params in zip(inner.param_groups, saved, strict=True):
+                group["params"] = params
+            for _, param in pieces:
+                inner.state.pop(param, None)
+                param.grad = None
+            inner.forget([param for _, param in pieces])
+
+    def _step_pieces(self, sg: SubGroup, tensors: list[torch.Tensor], g32: dict[int, torch.Tensor],
+                     before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
+        """The inner optimizer's own ``step()`` on ``sg``'s pieces (:meth:`_installed`); the scalars it leaves in a
+        piece's state become its run's (``after``; every piece of a run leaves the same)."""
+        inner = self.rt.optimizer.inner
+        with self._installed(sg, tensors, g32, before) as pieces:
+            inner.step()
+            for p, param in pieces:
+                after[p.run] = self._scalar_state(inner.state[param])
+
+    def _first_pass(self, visit: list[int], g32: dict[int, torch.Tensor], before: list[dict[str, Any]]) -> None:
+        """For a :class:`ParameterSums` optimizer: stream every sub-group once, read-only, for the partial sums of
+        the coming step; combine them over the group (one collective) and hand them to the optimizer."""
+        inner = self.rt.optimizer.inner
+        totals = None
+        if self.subgroups:
+            for i, tensors in self._prefetcher(visit, len(self.tensor_names)):
+                with self._installed(self.subgroups[visit[i]], tensors, g32, before):
+                    totals = inner.parameter_sums(totals)
+        else:  # nothing held here: zero partial sums (the groups hold the run views, without gradients)
+            totals = inner.parameter_sums(None)
+        inner.use_parameter_sums(inner.reduce_parameter_sums(totals))
 
     def _adam(self, sg: SubGroup, tensors: list[torch.Tensor], g32: dict[int, torch.Tensor], coef: Any) -> None:
         """torch's functional Adam on each piece of ``sg`` (grouped by param group), in the slot ``tensors``."""
@@ -298,7 +421,7 @@ class OptimizerSwapper:
                 m.copy_(local.detach().reshape(-1)[:seg.shard_size])  # padding and frozen elements: the parameters
                 masters[seg.index] = m
         names = self.tensor_names if states else self.tensor_names[:1]
-        moments = {name: {i: torch.zeros_like(m) for i, m in masters.items()} for name in names[1:]}
+        moments = {name: {i: torch.full_like(m, self.initial[name]) for i, m in masters.items()} for name in names[1:]}
         if self.subgroups:
             for i, tensors in self._prefetcher(list(range(len(self.subgroups))), len(names)):
                 for p in self.subgroups[i].pieces:
@@ -308,7 +431,12 @@ class OptimizerSwapper:
         rt.masters = masters
         for r, (seg, g, start, end, view) in enumerate(self._runs):
             view.data = masters[seg.index][start:end]
-            if states:
+            if not self.adam:  # the scalars stay in the inner state between steps; the tensors join them here
+                self._scalars[r] = self._scalar_state(opt.inner.state.get(view, {}))
+                if states:
+                    opt.inner.state[view] = {**self._scalars[r],
+                                             **{name: moments[name][seg.index][start:end] for name in self.initial}}
+            elif states:
                 st: dict[str, Any] = {"step": torch.tensor(self._steps[r], dtype=torch.float32)}
                 for name in MOMENTS:
                     st[name] = moments[name][seg.index][start:end]
@@ -333,23 +461,32 @@ class OptimizerSwapper:
                 run_start = self._runs[p.run][2]
                 for name, buf in zip(names[1:], bufs[1:], strict=True):
                     value = states[p.run].get(name)
-                    if isinstance(value, torch.Tensor) and value.numel() > 0:
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 0:
                         buf[p.lo:p.hi].copy_(value.reshape(-1)[p.start - run_start:p.end - run_start])
-                    else:  # a fresh (or dropped) state starts from zero
-                        buf[p.lo:p.hi].zero_()
+                    elif (isinstance(value, torch.Tensor) and value.numel() == 1) or \
+                            (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                        buf[p.lo:p.hi].fill_(float(value))  # one value for the whole parameter (a scalar state)
+                    else:  # a fresh (or dropped) state starts from its initial value
+                        buf[p.lo:p.hi].fill_(self.initial[name])
             pending[slot] = [self.store.write_async(key, buf) for key, buf in zip(sg.keys, bufs, strict=True)]
         for handles in pending:
             for h in handles:
                 h.wait()
         for r, st in enumerate(states):
+            if not self.adam:
+                self._scalars[r] = self._scalar_state(st)
+                continue
             step = st.get("step")
             self._steps[r] = float(step.item() if isinstance(step, torch.Tensor) else step or 0.0)
 
     def _drop(self) -> None:
         """Forget the resident tensors (their storage lives on wherever a reader still holds a view)."""
         opt = self.rt.optimizer
-        for *_, view in self._runs:
-            opt.inner.state.pop(view, None)
+        for r, (*_, view) in enumerate(self._runs):
+            if self.adam:
+                opt.inner.state.pop(view, None)
+            else:  # back to the scalars (as stored, or as they were when loaded)
+                opt.inner.state[view] = dict(self._scalars[r])
             view.data = _PLACEHOLDER.expand(view.numel())
         self.rt.masters = {}
         self._resident = self._with_states = self._materialized = self._writeback = False
