@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -121,7 +122,7 @@ def test_two_machines_over_ssh_train_as_four_local_processes(tmp_path):
         assert where[0][1] == where[1][1] != where[2][1] == where[3][1] and root_ns not in (where[0][1], where[2][1])
 
         start = time.monotonic()
-        failed = _run([*launcher, "train.py", "fail.json", "1", "2"], tmp_path, 150)
+        failed = _run([*launcher, "--log-dir", "logs", "train.py", "fail.json", "1", "2"], tmp_path, 150)
         took = time.monotonic() - start
     out = failed.stderr
     assert failed.returncode == 1, out
@@ -129,5 +130,8 @@ def test_two_machines_over_ssh_train_as_four_local_processes(tmp_path):
     assert f"{hosts[1]}: microspeed run: rank 2 failed" in out and "ValueError: boom on rank 2" in out, out
     assert f"microspeed run: stopped the other node(s): node 0 ({hosts[0]})" in out, out
     assert took < 120, f"the first node's ranks were not stopped: the job took {took:.0f} s"
+    traceback_file = re.search(rf"{re.escape(hosts[1])}: microspeed run: rank 2 full traceback: (\S+)", out)
+    assert traceback_file and traceback_file[1].startswith("logs/"), out  # torchrun options pass on (--log-dir)
+    assert "boom on rank 2" in (tmp_path / traceback_file[1]).read_text()  # the node ran in the same folder
     assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
                 if n.startswith(PREFIX)]
