@@ -2,7 +2,8 @@
 
 Expected triads were computed with DeepSpeed 0.16.9's ``compute_elastic_config`` (tests/test_elasticity_parity.py
 checks microspeed's function against it): max_train_batch_size 64 with micro batches 2/3/8 gives the global
-batch 48 at every world size, as micro 8 x 6 steps on 1 rank, 8 x 3 on 2 ranks, 3 x 4 on 4 ranks.
+batch 48 at every world size, as micro 8 x 6 steps on 1 rank, 8 x 3 on 2 ranks, 3 x 4 on 4 ranks. A checkpoint
+written at 2 or 4 ranks resumes on 1 rank with that rank's triad and the same global batch.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ def _triad(engine) -> tuple[int, int, int]:
     return engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
 
-def _elastic_rank(version: float) -> dict:
+def _elastic_rank(version: float, save_dir: str | None = None) -> dict:
     engine = tiny_engine(_config(version=version), defaults=False)
     losses = train_steps(engine, 2)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     return {"triad": _triad(engine), "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-            "losses": losses}
+            "global_samples": engine.global_samples, "losses": losses}
 
 
 @pytest.mark.parametrize("version", [0.1, 0.2])
@@ -44,11 +47,18 @@ def test_world_size_1_takes_deepspeeds_elastic_triad_and_trains(version):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_more_ranks_keep_the_global_batch_with_deepspeeds_micro_batch_and_accumulation(world_size):
-    results = run_distributed(_elastic_rank, world_size=world_size, args=(0.2,), timeout=120)
+def test_more_ranks_keep_the_global_batch_with_deepspeeds_micro_batch_and_accumulation(world_size, tmp_path):
+    results = run_distributed(_elastic_rank, world_size=world_size, args=(0.2, str(tmp_path)), timeout=180)
     for out in results:
         assert out["triad"] == EXPECTED[world_size]
         assert out["global_steps"] == 2 and out["micro_steps"] == 2 * EXPECTED[world_size][2]
+        assert out["global_samples"] == 2 * 48
+    # Restarted on one rank from that checkpoint: the same global batch, as micro 8 x 6 steps; counters go on.
+    engine = tiny_engine(_config(), defaults=False)
+    engine.load_checkpoint(str(tmp_path))
+    assert _triad(engine) == EXPECTED[1] and engine.global_steps == 2 and engine.global_samples == 2 * 48
+    train_steps(engine, 1)
+    assert engine.global_steps == 3 and engine.global_samples == 3 * 48
 
 
 def test_ignore_non_elastic_batch_info_overrides_a_given_triad():
