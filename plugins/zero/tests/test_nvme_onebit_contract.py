@@ -3,7 +3,8 @@
 A toy optimizer that declares its element-wise state (one tensor starting at 0, one at 1) streams through
 sub-groups of 7 elements (cutting every parameter apart) and gives the same parameters as the same optimizer
 stepping the CPU partition; its scalar state stays in memory between steps, its tensors do not, and the pieces
-it was handed are forgotten. An optimizer declaring nothing (torch's SGD) is refused naming the protocol.
+it was handed are forgotten; its partition's state dict loads into a fresh NVMe engine, which continues
+alike. An optimizer declaring nothing (torch's SGD) is refused naming the protocol.
 The 1-bit optimizers on two ranks: ``plugins/comm/tests/test_nvme_onebit.py``.
 """
 
@@ -52,7 +53,7 @@ class DampedMomentum(torch.optim.Optimizer):
                 p.sub_(st["scale"] * st["buf"], alpha=group["lr"])
 
 
-def _train(offload: dict, optimizer_cls=DampedMomentum):
+def _engine(offload: dict, optimizer_cls=DampedMomentum):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
     cfg = {"train_batch_size": 4, "steps_per_print": 10**6, "zero_allow_untested_optimizer": True,
@@ -60,16 +61,26 @@ def _train(offload: dict, optimizer_cls=DampedMomentum):
            "zero_optimization": {"stage": 1, "offload_optimizer": offload, "sub_group_size": 7}}
     engine, *_ = microspeed.initialize(model=model, optimizer=optimizer_cls(model.parameters(), lr=0.05),
                                        config=cfg)
+    return engine
+
+
+def _steps(engine, n: int) -> list[float]:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4, 6, generator=g)
     y = torch.randn(4, 1, generator=g)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(n):
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return engine, losses, [p.detach().clone() for p in model.parameters()]
+    return losses
+
+
+def _train(offload: dict, optimizer_cls=DampedMomentum):
+    engine = _engine(offload, optimizer_cls)
+    losses = _steps(engine, STEPS)
+    return engine, losses, [p.detach().clone() for p in engine.module.parameters()]
 
 
 def test_a_declared_elementwise_optimizer_streams_from_nvme_with_the_results_of_cpu_offload(tmp_path):
@@ -91,6 +102,11 @@ def test_a_declared_elementwise_optimizer_streams_from_nvme_with_the_results_of_
         scales = torch.cat([st["scale"] for st in rt.optimizer.run_states()])
         torch.testing.assert_close(scales, torch.full_like(scales, 0.9 ** STEPS))
     assert all(st == {"step": STEPS} for st in rt.optimizer.inner.state.values())
+    saved = engine.optimizer.state_dict()  # this rank's partition (the Lightning path): read through resident()
+    again = _engine({"device": "nvme", "nvme_path": str(tmp_path / "again"), "buffer_count": 2})
+    again.optimizer.load_state_dict(saved)  # written to the new files through resident(writeback=True)
+    assert all(st == {"step": STEPS} for st in again.plugin_state("zero").optimizer.inner.state.values())
+    assert _steps(again, 2) == _steps(engine, 2)
 
 
 def test_an_optimizer_that_declares_no_elementwise_state_is_refused_on_nvme_naming_the_protocol(tmp_path):
