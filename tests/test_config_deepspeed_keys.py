@@ -55,8 +55,8 @@ def test_keys_clients_write_are_accepted_with_one_notice_each(capsys):
     _NOTICES_LOGGED.clear()
     engine = _init(cfg)
     notices = engine.config.notices
-    assert [n.split(":")[0] for n in notices] == ["aio", "wandb", "comet", "memory_breakdown", "checkpoint",
-                                                  "fp16.fp16_master_weights_and_grads"]
+    assert [n.split(":")[0] for n in notices] == ["aio", "wandb", "comet", "memory_breakdown",
+                                                  "checkpoint.tag_validation", "fp16.fp16_master_weights_and_grads"]
     assert all("accepted, no effect here: " in n and "did you mean" not in n.lower() for n in notices)
     assert engine.config.get("aio.block_size") == 1048576  # kept, for a plugin that may read it
     err = capsys.readouterr().err

@@ -1,14 +1,74 @@
-"""Default answers to the checkpoint hooks: :mod:`microspeed.checkpoint` does the work."""
+"""Default answers to the checkpoint hooks (:mod:`microspeed.checkpoint` does the work) and the ``checkpoint`` section.
+
+``checkpoint`` (DeepSpeed's section name; its keys that change nothing here are accepted with a notice):
+
+- ``async_save`` (or DeepSpeed's ``writer.decoupled``): ``save_checkpoint()`` returns once this rank's
+  tensors are copied to CPU memory; a background thread writes them, and ``latest`` names the tag only
+  after every rank finished. The next save, ``load_checkpoint()``, ``engine.wait_for_checkpoint()`` and
+  the end of the process wait for it.
+- ``save_dir`` and ``save_interval_steps``: the engine saves itself into ``save_dir`` (tag
+  ``global_step<N>``) every ``save_interval_steps`` optimizer steps.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+from microspeed.config import Field, Section, positive
+from microspeed.errors import ConfigError
 from microspeed.hookspecs import hookimpl
+
+_WRITER_NOTICE = ("microspeed writes one contiguous file per rank with its own writer (DeepSpeed's fast-writer "
+                  "tuning does not apply); 'decoupled' is honoured")
+_SECTION = Section({
+    "async_save": Field((bool,), False, "save in a background thread: save_checkpoint() blocks only while the "
+                        "tensors are copied to CPU memory; latest is published once every rank finished"),
+    "save_dir": Field((str, type(None)), None, "folder the engine saves into every save_interval_steps"),
+    "save_interval_steps": Field((int, type(None)), None, "save into save_dir every this many optimizer steps "
+                                 "(tag global_step<N>)", positive),
+    "writer": Section({
+        "decoupled": Field((bool,), False, "DeepSpeed's name for an asynchronous save (the same as async_save)"),
+    }, doc="DeepSpeed's checkpoint writer settings", notices={
+        k: _WRITER_NOTICE for k in ("type", "io_buffer_size", "io_buffer_double", "show_statistics",
+                                    "data_parallel", "io_multiplier")}),
+}, doc="checkpoints: asynchronous and periodic saves", notices={
+    "tag_validation": "tags are always checked across ranks: different tags on different ranks are refused",
+    "load_universal": "every microspeed checkpoint loads at any world size, ZeRO stage and topology as it is",
+    "parallel_write": "every rank always writes its own share of the tensors",
+    "use_node_local_storage": "checkpoints go to the save folder you pass, which every rank must see",
+})
 
 
 class CheckpointingPlugin:
-    """Saves and loads checkpoints through ``torch.distributed.checkpoint`` (:mod:`microspeed.checkpoint`)."""
+    """Saves and loads checkpoints (:mod:`microspeed.checkpoint`); owns the ``checkpoint`` section."""
+
+    @hookimpl
+    def microspeed_config_sections(self) -> dict[str, Section]:
+        """``checkpoint``: ``async_save``, ``save_dir``, ``save_interval_steps``, ``writer.decoupled``."""
+        return {"checkpoint": _SECTION}
+
+    @hookimpl
+    def microspeed_configure(self, config: Any, world_size: int) -> None:
+        """Refuse ``save_interval_steps`` without ``save_dir``."""
+        section = config["checkpoint"]
+        if section["save_interval_steps"] is not None and not section["save_dir"]:
+            raise ConfigError(f"checkpoint.save_interval_steps: got {section['save_interval_steps']} but no "
+                              f"checkpoint.save_dir; give the folder to save into (or remove the interval).")
+
+    @hookimpl
+    def microspeed_after_global_step(self, engine: Any) -> None:
+        """Save into ``checkpoint.save_dir`` every ``checkpoint.save_interval_steps`` steps."""
+        section = engine.config["checkpoint"]
+        every = section["save_interval_steps"]
+        if every and engine.global_steps % every == 0:
+            engine.save_checkpoint(section["save_dir"])
+
+    @hookimpl(trylast=True)
+    def microspeed_engine_api(self, engine: Any) -> dict[str, Any]:
+        """``engine.wait_for_checkpoint()``: finish this rank's asynchronous save in flight, raising its error."""
+        from microspeed.checkpoint.saving import wait
+
+        return {"wait_for_checkpoint": lambda: wait(engine)}
 
     @hookimpl(trylast=True)
     def microspeed_save_checkpoint(self, engine: Any, save_dir: str, tag: str | None, client_state: dict | None,

@@ -1,11 +1,12 @@
-"""Checkpoints: DeepSpeed's layout and API; tensors sharded through ``torch.distributed.checkpoint``.
+"""Checkpoints: DeepSpeed's layout and API; tensors keyed by name, one contiguous file per rank.
 
 Layout (as DeepSpeed's, one folder per tag, ``latest`` naming the newest)::
 
     <save_dir>/latest                  the newest complete tag; replaced atomically, last
-    <save_dir>/<tag>/manifest.msgpack  run metadata and every small value (msgpack)
-    <save_dir>/<tag>/.metadata         DCP's index of the tensors
-    <save_dir>/<tag>/__<rank>_0.distcp the tensors rank <rank> wrote
+    <save_dir>/<tag>/manifest.msgpack  run metadata, every small value and a crc32 per tensor item (msgpack)
+    <save_dir>/<tag>/.metadata         the index of the tensors (a ``torch.distributed.checkpoint`` Metadata)
+    <save_dir>/<tag>/__<rank>_0.distcp the tensors rank <rank> wrote, raw and contiguous
+                                       (:mod:`~microspeed.checkpoint.storage`)
 
 Tensors are keyed by parameter name (FQN), never by rank or integer index:
 
@@ -25,9 +26,9 @@ param groups (with FQNs), scheduler state, plugin list and each plugin's small s
 state and every rank's RNG states — is the manifest (:mod:`microspeed.checkpoint.manifest`).
 
 **Who writes what.** Every rank calls :func:`save` with the same state dict of full tensors;
-DCP's planner de-duplicates replicated tensors, so in pure data parallelism the ranks split the
-writing and each writes only the tensors it was assigned. A plugin that shards state (ZeRO,
-tensor parallel) contributes DTensors or rank-unique keys and DCP writes each shard once.
+replicated tensors are written once (:func:`~microspeed.checkpoint.storage.assign`), so in pure data
+parallelism the ranks split the writing and each writes only the tensors it was assigned. A plugin
+that shards state (ZeRO, tensor parallel) contributes DTensors or rank-unique keys and each shard is written once.
 
 **Composed shardings.** Two plugins may split the same tensor in turn, through two hooks that never
 name each other: ``microspeed_checkpoint_placements`` says where this rank's box sits in the full
@@ -38,11 +39,18 @@ and its optimizer parts) presents pieces of that box, which :func:`place_pieces`
 tensor on save and on load. So a checkpoint written under pp × tp × dp with ZeRO stage 1, 2 or 3
 holds every tensor once, whole-shaped, and loads under any other pp, tp, dp and stage, or whole.
 
-**Safety.** Everything goes into ``<tag>.tmp-<nonce>``; after DCP finished on all ranks, rank 0
-writes the manifest, all ranks meet at a barrier, rank 0 renames the folder to ``<tag>`` and then
-replaces ``latest`` with ``os.replace``. A save interrupted anywhere (a rank killed) leaves
-``latest`` naming the previous tag. Unreadable, truncated or foreign files raise
-:class:`CheckpointError` naming the file.
+**Safety.** Everything goes into ``<tag>.tmp-<nonce>``; each rank writes its file and then its
+completion marker; once every rank's is there, rank 0 writes the index and the manifest, renames the
+folder to ``<tag>`` and then replaces ``latest`` with ``os.replace``. A save interrupted anywhere (a
+rank killed, a writer failing) leaves ``latest`` naming the previous tag. Unreadable, truncated,
+foreign or corrupted files (a crc32 mismatch) raise :class:`CheckpointError` naming the file;
+checkpoints written before checksums existed (DCP's per-tensor files) load unverified.
+
+**Asynchronous and periodic saves.** With ``"checkpoint": {"async_save": true}`` a save blocks only
+while this rank's tensors are copied into a CPU staging buffer; a thread writes them
+(:mod:`~microspeed.checkpoint.background`), and the next save, ``load_checkpoint``,
+``engine.wait_for_checkpoint()`` or the end of the process waits for it. ``save_interval_steps`` with
+``save_dir`` saves every N steps.
 
 **Other topologies.** Tensors are full and named, so a checkpoint written by N ranks loads on M.
 The data loader continues from the same *global* sample count
@@ -57,8 +65,10 @@ an fp16/bf16 run); fp32 masters of an fp16/bf16 engine come from ``master/<fqn>`
 else from ``model/<fqn>`` (an fp32 checkpoint), at full precision.
 
 **Modules.** :mod:`~microspeed.checkpoint.layout` (tags, ``latest``, tag folders, manifest and tensor
-index, atomic publish), :mod:`~microspeed.checkpoint.sharding` (:func:`flat_shard`,
-:func:`box_shard`, :class:`Placement`, :func:`place_pieces`: tensors a rank holds pieces of),
+index, atomic publish), :mod:`~microspeed.checkpoint.storage` (the per-rank files, checksums, resharding
+reads), :mod:`~microspeed.checkpoint.background` (the asynchronous writer),
+:mod:`~microspeed.checkpoint.sharding` (:func:`flat_shard`, :func:`box_shard`, :class:`Placement`,
+:func:`place_pieces`: tensors a rank holds pieces of),
 :mod:`~microspeed.checkpoint.reader` (:class:`Reader`), :mod:`~microspeed.checkpoint.saving` and
 :mod:`~microspeed.checkpoint.loading` (the engine-level entry points and the default optimizer-state
 parts), :mod:`~microspeed.checkpoint.names` (FQNs, tied aliases), :mod:`~microspeed.checkpoint.rng`,

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from microspeed import comm
 from microspeed.checkpoint.errors import CheckpointError
-from microspeed.checkpoint.manifest import pack, unpack
+from microspeed.checkpoint.manifest import unpack
 
 MANIFEST = "manifest.msgpack"
 """Name of the manifest file inside a tag folder."""
@@ -198,16 +198,19 @@ def write_checkpoint(save_dir: str, tag: str, tensors: dict[str, torch.Tensor], 
                      save_latest: bool = True) -> str:
     """Write a checkpoint from one process, without a process group (converters use this).
 
-    ``tensors`` are the DCP keys (``model/...``, ``optim/...``); ``manifest`` as :func:`new_manifest`
-    makes it. Returns the tag folder. Same safety as :func:`save`.
+    ``tensors`` are the tensor keys (``model/...``, ``optim/...``); ``manifest`` as :func:`new_manifest`
+    makes it. Returns the tag folder. Same format, checksums and safety as :func:`save`.
     """
+    from microspeed.checkpoint import storage
+
     tag = _check_tag(str(tag))
     os.makedirs(save_dir, exist_ok=True)
     tmp = os.path.join(save_dir, f"{tag}{_TMP}{secrets.token_hex(6)}")
     os.makedirs(tmp)
-    with _quiet_dcp():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-    _write_bytes(os.path.join(tmp, MANIFEST), pack(manifest))
+    staging = storage.Staging()
+    layout = staging.stage(storage.local_items(tensors))
+    storage.write_rank_file(tmp, 0, staging.buffer, layout)
+    storage.finalize(tmp, 1, manifest, timeout_s=60.0)
     _publish(save_dir, tag, tmp, save_latest)
     return os.path.join(save_dir, tag)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from microspeed import comm
+from microspeed.checkpoint.background import pending
 from microspeed.checkpoint.errors import CheckpointError, CheckpointWarning
 from microspeed.checkpoint.layout import (
     _COUNTERS,
@@ -46,6 +47,7 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
     counters, plugin state or RNG. ``load_rng_state``: restore every rank's Python, numpy and torch
     random-number state as saved (DeepSpeed's ``load_checkpoint`` never does; off by default).
     """
+    _wait_for_saves(engine)
     if tag is None:
         tag = read_latest(load_dir)
         if tag is None:
@@ -83,6 +85,17 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
         if load_rng_state:
             _restore_rng(manifest.get("rng") or [], rank)
     return tag_dir, client_tree()
+
+
+def _wait_for_saves(engine: Any) -> None:
+    """Finish this engine's asynchronous save in flight on every rank; raise everywhere if one failed."""
+    saver = pending(engine)
+    error = saver.wait_quietly() if saver is not None else None
+    errors = comm.all_gather_object(error) if comm.get_world_size() > 1 else [error]
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError("load_checkpoint: the asynchronous save before it failed and was not published: "
+                              + "; ".join(failed))
 
 
 def _fresh_refs(tree: Any, reader: Reader) -> Callable[[], Any]:
@@ -206,7 +219,7 @@ def get_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torc
     """
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     manifest = read_manifest(tag_dir)
-    reader = Reader(tag_dir, read_tensor_index(tag_dir))
+    reader = Reader(tag_dir, read_tensor_index(tag_dir), manifest)
     model = manifest["model"]
     aliases = model.get("aliases", {})
     loaded: dict[str, torch.Tensor] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -9,9 +10,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from microspeed.checkpoint import storage
 from microspeed.checkpoint.errors import CheckpointError
-from microspeed.checkpoint.layout import _find_unreadable_file, _quiet_dcp, _short
-from microspeed.checkpoint.sharding import Placement, _is_sharded, box_shard, place_pieces, placement_of
+from microspeed.checkpoint.layout import MANIFEST, _find_unreadable_file, _quiet_dcp, _short, read_manifest
+from microspeed.checkpoint.sharding import Pieces, Placement, _is_sharded, box_shard, place_pieces, placement_of
 
 
 class Reader:
@@ -83,6 +85,9 @@ class Reader:
         if self.mismatches:
             raise CheckpointError(f"{self.tag_dir}: shapes differ from the checkpoint's: "
                                   + "; ".join(self.mismatches), self.tag_dir)
+        if storage.is_raw(self.metadata):
+            self._run_raw()
+            return
         plan: dict[str, torch.Tensor] = {}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, targets in self.targets.items():
@@ -106,6 +111,22 @@ class Reader:
         with torch.no_grad():
             for target, buf in copies:
                 target.copy_(buf)
+
+    def _run_raw(self) -> None:
+        """Read a checkpoint of :mod:`~microspeed.checkpoint.storage` (one file per rank, checksummed)."""
+        requests: list[tuple[str, tuple[int, ...], torch.Tensor]] = []
+        for key, targets in self.targets.items():
+            requests.extend((key, (0,) * t.dim(), t) for t in targets)
+        for key, target in self.sharded:
+            local = target._local_tensor
+            if not isinstance(local, Pieces):
+                raise CheckpointError(f"{self.tag_dir}: {key!r}: cannot read into a {type(local).__name__} "
+                                      f"(expected microspeed.checkpoint pieces)", self.tag_dir)
+            requests.extend((key, tuple(c.offsets), p) for p, c in zip(local._pieces, local._chunks, strict=True))
+        files = self.manifest.get("tensor_files")
+        if files is None and os.path.isfile(os.path.join(self.tag_dir, MANIFEST)):
+            files = read_manifest(self.tag_dir).get("tensor_files")
+        storage.read_boxes(self.tag_dir, self.metadata, files, requests)
 
     def _load(self, plan: dict[str, torch.Tensor], no_dist: bool) -> None:
         try:

@@ -9,21 +9,16 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from microspeed import comm
+from microspeed.checkpoint.background import pending, saver_for
 from microspeed.checkpoint.errors import CheckpointError, CheckpointWarning
 from microspeed.checkpoint.layout import (
     _COUNTERS,
     _TMP,
-    MANIFEST,
     _check_tag,
-    _no_dist,
     _publish,
-    _quiet_dcp,
     _short,
-    _write_bytes,
     new_manifest,
 )
 from microspeed.checkpoint.manifest import pack, split
@@ -36,16 +31,33 @@ from microspeed.checkpoint.names import (
 )
 from microspeed.checkpoint.rng import _rng_state
 from microspeed.checkpoint.sharding import apply_placements, collect_placements
+from microspeed.checkpoint.storage import (
+    assign,
+    data_file,
+    describe,
+    finalize,
+    local_items,
+    mark_failed,
+    write_rank_file,
+)
 
 
 def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+         save_latest: bool = True, exclude_frozen_parameters: bool = False, async_save: bool | None = None) -> bool:
     """Write a checkpoint of ``engine`` to ``save_dir/<tag>`` (every rank calls this); returns ``True``.
 
     ``exclude_frozen_parameters`` leaves parameters with ``requires_grad=False`` out of the module's
     tensors (as DeepSpeed); loading such a checkpoint then needs ``load_module_strict=False``.
+    ``async_save`` (default: the config's ``checkpoint.async_save``): return once this rank's tensors
+    are copied to CPU memory and write them in a background thread (:mod:`microspeed.checkpoint.background`);
+    ``latest`` names the tag only once every rank finished. A previous save still in flight is waited
+    for first, and its error, if any, is raised here on every rank.
     """
+    saver = saver_for(engine)
+    previous = saver.wait_quietly()
     rank, world = comm.get_rank(), comm.get_world_size()
+    if async_save is None:
+        async_save = async_enabled(engine.config)
     tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
     engine.hook.microspeed_before_checkpoint_save(engine=engine, save_dir=save_dir, tag=tag)
     tensors: dict[str, torch.Tensor] = {}
@@ -74,12 +86,21 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         plugin_states.update(state or {})
     plugins_part = {name: split(st, f"plugins/{name}", tensors) for name, st in plugin_states.items()}
     client_part = split(dict(client_state or {}), "client", tensors if rank == 0 else {})
+    apply_placements(tensors, collect_placements(engine), rank)
+    items = local_items(tensors)
 
-    digest = hashlib.sha256(pack(plugins_part)).hexdigest()
     model_part = {"keys": list(module_sd), "aliases": aliases, "extra": extra}
-    spread = hashlib.sha256(pack([model_part, optimizer_part])).hexdigest()
+    digest = spread = ""
+    if world > 1:  # do the ranks hold different plugin states or parameters? (nobody to differ from on one rank)
+        digest = hashlib.sha256(pack(plugins_part)).hexdigest()
+        spread = hashlib.sha256(pack([model_part, optimizer_part])).hexdigest()
     everyone = comm.all_gather_object({"tag": tag, "nonce": secrets.token_hex(6), "rng": _rng_state(),
-                                       "plugins": digest, "spread": spread})
+                                       "plugins": digest, "spread": spread, "items": describe(items),
+                                       "previous": previous})
+    failed = [f"rank {r}: {e['previous']}" for r, e in enumerate(everyone) if e["previous"]]
+    if failed:
+        raise CheckpointError("save_checkpoint: the previous asynchronous save failed and was not published "
+                              "(latest still names the save before it): " + "; ".join(failed))
     tags = sorted({e["tag"] for e in everyone})
     if len(tags) > 1:
         raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
@@ -91,19 +112,16 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         parts = comm.all_gather_object([model_part, optimizer_part])
         model_part = merge_model_parts([p[0] for p in parts])
         optimizer_part = merge_optimizer_parts([p[1] for p in parts])
-    apply_placements(tensors, collect_placements(engine), rank)
+    mine = assign([e["items"] for e in everyone], rank)
+    layout = saver.staging.stage([i for i in items if i.ident in mine])
+    del items, tensors  # the staged copy is what gets written; training may change the originals now
     tmp = os.path.join(save_dir, f"{tag}{_TMP}{everyone[0]['nonce']}")
     os.makedirs(tmp, exist_ok=True)
-    try:
-        with _quiet_dcp():
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp), no_dist=_no_dist())
-    except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"save_checkpoint: writing tensors into {tmp} failed: {type(exc).__name__}: "
-                              f"{_short(exc)}", tmp) from exc
+    manifest: dict[str, Any] = {}
     if rank == 0:
-        manifest = new_manifest(tag, world, engine.config.to_dict(), {k: getattr(engine, k) for k in _COUNTERS},
-                                engine.gradient_accumulation_steps())
-        manifest.update({
+        head = new_manifest(tag, world, engine.config.to_dict(), {k: getattr(engine, k) for k in _COUNTERS},
+                            engine.gradient_accumulation_steps())
+        head.update({
             "topology": {"data_parallel_size": engine.topology.data_parallel_size,
                          "model_parallel_size": engine.topology.model_parallel_size},
             "plugins": [[i.name, i.version] for i in engine.plugins.infos.values()],
@@ -111,12 +129,55 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
             "optimizer": optimizer_part, "lr_scheduler": scheduler_part, "plugin_states": plugins_part,
             "plugin_states_by_rank": by_rank, "client_state": client_part, "rng": [e["rng"] for e in everyone],
         })
-        _write_bytes(os.path.join(tmp, MANIFEST), pack(manifest))
-    comm.barrier()
+        manifest = head  # split() built every container afresh and cloned 0-d tensors: training cannot change it
+    buffer = saver.staging.buffer
+
+    if async_save:
+        def write() -> None:
+            try:
+                write_rank_file(tmp, rank, buffer, layout)
+            except BaseException as exc:
+                mark_failed(tmp, rank, f"{os.path.join(tmp, data_file(rank))}: {type(exc).__name__}: {exc}")
+                raise
+            if rank == 0:
+                finalize(tmp, world, manifest)
+                _publish(save_dir, tag, tmp, save_latest)
+
+        saver.start(write, os.path.join(tmp, data_file(rank)))
+        return True
+    error = None
+    try:
+        write_rank_file(tmp, rank, buffer, layout)
+    except Exception as exc:
+        error = f"{os.path.join(tmp, data_file(rank))}: {type(exc).__name__}: {_short(exc)}"
+    errors = comm.all_gather_object(error) if world > 1 else [error]
+    failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e]
+    if failed:
+        raise CheckpointError(f"save_checkpoint: writing tensors into {tmp} failed: " + "; ".join(failed), tmp)
     if rank == 0:
+        finalize(tmp, world, manifest, timeout_s=60.0)
         _publish(save_dir, tag, tmp, save_latest)
     comm.barrier()
     return True
+
+
+def async_enabled(config: Any) -> bool:
+    """Whether ``config`` asks for asynchronous saves: ``checkpoint.async_save`` or ``checkpoint.writer.decoupled``."""
+    try:
+        section = config["checkpoint"]
+    except (KeyError, TypeError):
+        return False
+    if not isinstance(section, dict):
+        return False
+    writer = section.get("writer") or {}
+    return bool(section.get("async_save")) or bool(isinstance(writer, dict) and writer.get("decoupled"))
+
+
+def wait(engine: Any) -> None:
+    """Wait for ``engine``'s asynchronous save in flight (if any); raise its error here (this rank only)."""
+    saver = pending(engine)
+    if saver is not None:
+        saver.wait()
 
 
 def merge_model_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,184 @@
+"""Asynchronous and periodic checkpoint saves (``checkpoint.async_save``, ``checkpoint.save_interval_steps``).
+
+An asynchronous save returns once the tensors are copied to CPU memory; training continues while a
+thread writes them; ``latest`` names the tag only after every rank finished, so a writer that fails or
+a process that dies mid-save leaves ``latest`` on the previous complete save.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import microspeed
+from microspeed.checkpoint import CheckpointError, read_latest
+from microspeed.testing import run_distributed
+
+
+def _engine(seed: int, **checkpoint):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    if checkpoint:
+        cfg["checkpoint"] = checkpoint
+    return microspeed.initialize(model=model, config=cfg)[0]
+
+
+def _train(engine, first: int, steps: int) -> list[float]:
+    losses = []
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _slow_writer(monkeypatch, delay: float) -> None:
+    import microspeed.checkpoint.saving as saving
+
+    real = saving.write_rank_file
+
+    def slow(*args, **kwargs):
+        time.sleep(delay)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(saving, "write_rank_file", slow)
+
+
+def test_async_save_snapshots_then_training_continues_and_loads_like_a_sync_save(tmp_path, monkeypatch):
+    sync = _engine(0)
+    asyn = _engine(0, async_save=True)
+    assert _train(sync, 0, 2) == _train(asyn, 0, 2)
+    sync.save_checkpoint(str(tmp_path / "sync"))
+    _slow_writer(monkeypatch, 0.5)
+    began = time.perf_counter()
+    asyn.save_checkpoint(str(tmp_path / "async"))
+    blocked = time.perf_counter() - began
+    assert blocked < 0.5, blocked  # returned before the (slowed) write even started
+    assert read_latest(str(tmp_path / "async")) is None  # not published while writing
+    _train(asyn, 2, 3)  # the optimizer changes the parameters in place while the writer works
+    asyn.wait_for_checkpoint()
+    assert read_latest(str(tmp_path / "async")) == "global_step2"
+    a, b = _engine(7), _engine(8)
+    a.load_checkpoint(str(tmp_path / "sync"))
+    b.load_checkpoint(str(tmp_path / "async"))
+    for p, q in zip(a.module.parameters(), b.module.parameters(), strict=True):
+        assert torch.equal(p, q)  # the snapshot is of step 2, not of what training did afterwards
+    assert _train(a, 2, 3) == _train(b, 2, 3) == _train(sync, 2, 3)
+
+
+def test_a_failing_writer_never_publishes_and_the_error_names_the_file(tmp_path, monkeypatch):
+    engine = _engine(0, writer={"decoupled": True})  # DeepSpeed's spelling of an asynchronous save
+    _train(engine, 0, 1)
+    engine.save_checkpoint(str(tmp_path), tag="good")
+    import microspeed.checkpoint.saving as saving
+
+    def broken(tmp, rank, buffer, layout):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saving, "write_rank_file", broken)
+    _train(engine, 1, 1)
+    engine.save_checkpoint(str(tmp_path), tag="bad")  # returns: the failure happens in the background
+    _train(engine, 2, 1)
+    with pytest.raises(CheckpointError, match="previous asynchronous save failed") as info:
+        engine.save_checkpoint(str(tmp_path), tag="next")
+    assert "No space left on device" in str(info.value) and "__0_0.distcp" in str(info.value)
+    assert read_latest(str(tmp_path)) == "good" and not os.path.exists(tmp_path / "bad")
+    monkeypatch.undo()
+    engine.save_checkpoint(str(tmp_path), tag="again")  # the error was reported once; saving works again
+    engine.wait_for_checkpoint()
+    assert read_latest(str(tmp_path)) == "again"
+
+
+_KILLED = textwrap.dedent("""
+    import os, sys, time, torch, microspeed
+    from microspeed.checkpoint import saving
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+           "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "checkpoint": {"async_save": True}}
+    engine = microspeed.initialize(model=model, config=cfg)[0]
+    engine.save_checkpoint(sys.argv[1], tag="good")
+    engine.wait_for_checkpoint()
+    real = saving.write_rank_file
+    def dying(tmp, rank, buffer, layout):
+        real(tmp, rank, buffer, layout)   # this rank's file is complete ...
+        os._exit(9)                       # ... but the process dies before the save is published
+    saving.write_rank_file = dying
+    engine.save_checkpoint(sys.argv[1], tag="bad")
+    time.sleep(30)
+""")
+
+
+def test_a_process_killed_mid_save_leaves_latest_on_the_previous_save(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _KILLED, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, MICROSPEED_DISABLE_PLUGIN_AUTOLOAD="1"))
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    assert read_latest(str(tmp_path)) == "good"
+    assert not os.path.exists(tmp_path / "bad") and any(n.startswith("bad.tmp-") for n in os.listdir(tmp_path))
+    engine = _engine(3)
+    path, _ = engine.load_checkpoint(str(tmp_path))
+    assert path.endswith("good")
+
+
+def test_interval_keys_are_checked():
+    with pytest.raises(microspeed.ConfigError, match=r"checkpoint\.save_interval_steps: got 3 but no "
+                                                     r"checkpoint\.save_dir"):
+        _engine(0, save_interval_steps=3)
+    with pytest.raises(microspeed.ConfigError, match=r"checkpoint\.save_interval_steps"):
+        _engine(0, save_interval_steps=0, save_dir="/tmp/x")
+
+
+def _two_ranks(root: str) -> dict:
+    """Interval saves every 2 steps, asynchronous; then rank 1's writer fails; then a resume."""
+    rank = torch.distributed.get_rank()
+    engine = _engine(0, async_save=True, save_dir=os.path.join(root, "run"), save_interval_steps=2)
+    losses = _train(engine, 0, 5)  # saves at steps 2 and 4, in the background
+    engine.wait_for_checkpoint()
+    torch.distributed.barrier()
+    tags = sorted(n for n in os.listdir(os.path.join(root, "run")) if n.startswith("global_step"))
+    latest = read_latest(os.path.join(root, "run"))
+    import microspeed.checkpoint.saving as saving
+
+    real = saving.write_rank_file
+    if rank == 1:
+        def broken(tmp, r, buffer, layout):
+            raise OSError(5, "Input/output error")
+        saving.write_rank_file = broken
+    _train(engine, 5, 1)  # step 6 saves; rank 1's write fails in the background
+    saving.write_rank_file = real
+    error = None
+    try:
+        _train(engine, 6, 2)  # step 8's save sees step 6's failure, on every rank
+    except CheckpointError as exc:
+        error = str(exc)
+    latest_after = read_latest(os.path.join(root, "run"))
+    resumed = _engine(5)
+    resumed.load_checkpoint(os.path.join(root, "run"))
+    fresh = _engine(0)
+    ref = _train(fresh, 0, 4)
+    return {"losses": losses, "tags": tags, "latest": latest, "error": error, "latest_after": latest_after,
+            "resumed_step": resumed.global_steps, "resumed": _train(resumed, 4, 2), "ref": _train(fresh, 4, 2),
+            "ref_first": ref}
+
+
+@pytest.mark.slow
+def test_interval_async_saves_on_two_ranks_and_a_rank_whose_writer_fails(tmp_path):
+    out = run_distributed(_two_ranks, world_size=2, args=(str(tmp_path),), timeout=300)
+    for r in out:
+        assert r["tags"] == ["global_step2", "global_step4"] and r["latest"] == "global_step4"
+        assert r["error"] is not None and "rank 1:" in r["error"] and "__1_0.distcp" in r["error"], r["error"]
+        assert r["latest_after"] == "global_step4" and r["resumed_step"] == 4
+        assert r["resumed"] == r["ref"]
+    assert out[0]["losses"][:4] == out[0]["ref_first"]
