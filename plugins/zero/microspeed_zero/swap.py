@@ -1,7 +1,8 @@
-"""ZeRO-Infinity-style NVMe offload of the optimizer: masters and Adam's moments stream from files.
+"""ZeRO-Infinity-style NVMe offload of the optimizer: masters and the optimizer's state stream from files.
 
 With ``zero_optimization.offload_optimizer.device = "nvme"`` this rank's fp32 master partition
-and Adam's two moments (three with AMSGrad) live in files under
+and the optimizer's element-wise state — Adam's two moments (three with AMSGrad), or the tensors an
+optimizer declares through :class:`~microspeed.plugin_api.ElementwiseState` — live in files under
 ``rank_folder(nvme_path, rank)/optimizer<n>`` (:mod:`microspeed_zero.nvme`; ``n`` numbers the
 swappers of the process, so engines sharing ``nvme_path`` never share files), not in memory.
 
@@ -10,7 +11,8 @@ of each segment's slice whose parameters share a param group; padding and frozen
 not stored) are concatenated over ``rt.optimized`` in order and cut into *sub-groups* of at most
 ``zero_optimization.sub_group_size`` elements. A sub-group may span several segments and runs, or
 hold a piece of one. Each sub-group has one file per tensor (``master``, ``exp_avg``,
-``exp_avg_sq``); a slot of the in-memory streaming buffers holds one sub-group of each.
+``exp_avg_sq``, ...: :attr:`OptimizerSwapper.tensor_names`); a slot of the in-memory streaming
+buffers holds one sub-group of each.
 
 The step (:meth:`OptimizerSwapper.step`): sub-groups go through ``buffer_count`` slots with a
 :class:`~microspeed_zero.nvme.Prefetcher` — while Adam runs on one sub-group the next ones are
@@ -22,6 +24,18 @@ order, so every rank issues the same collectives in the same order. Adam is torc
 functional kernel (``torch.optim.adam.adam``: the same single-tensor / foreach / fused path the
 param group asks for), on each run piece with its group's live hyper-parameters and its run's
 step count, so the results equal ``torch.optim.Adam``/``AdamW`` on the whole partition.
+
+Any other optimizer must declare its state element-wise (:class:`~microspeed.plugin_api.ElementwiseState`:
+the 1-bit Adam, 0/1 Adam and 1-bit LAMB do): its declared tensors are streamed (files start at the
+declared initial values), its scalar state (``step``, schedules) stays in ``inner.state[run view]``,
+and each sub-group is stepped by the optimizer's own ``step()`` with the sub-group's pieces as its
+parameters — views of the slot carrying their gradient slice, the run view's attributes and
+``partition_pieces`` cut to the piece, their state the run's scalars as they were before the step plus
+views of the slot's state tensors. Element-wise, that equals the optimizer stepping the whole partition.
+An optimizer that needs sums over whole parameters (:class:`~microspeed.plugin_api.ParameterSums`:
+1-bit LAMB's trust ratios) first gets a read-only pass over every sub-group for its partial sums and one
+collective over the group, then the update pass: its state is read twice and written once per step
+(Adam: once each).
 
 Resident memory between steps: the slots only, ``buffer_count x largest sub-group x (4 bytes x
 tensors per sub-group)`` (:meth:`OptimizerSwapper.budget_bytes`). The step adds Adam's
@@ -95,11 +109,11 @@ def _global_rank(rt: Any) -> int:
 
 
 class OptimizerSwapper:
-    """This rank's Adam/AdamW masters and moments in NVMe files, streamed through a few buffers.
+    """This rank's masters and optimizer state (Adam/AdamW's, or declared) in NVMe files, streamed through buffers.
 
     Built by the ZeRO plugin right after ``rt.wrap(optimizer)`` with
     ``offload_optimizer.device = "nvme"``: it lays the runs out in sub-groups, writes the masters
-    (and zero moments) to the files and drops the in-memory masters (``rt.masters`` becomes
+    (and the initial state) to the files and drops the in-memory masters (``rt.masters`` becomes
     ``{}``; the run views of ``rt.optimizer`` point at a zero-stride placeholder while nothing is
     resident). See the module docstring for the layout and the step.
     """
@@ -497,8 +511,9 @@ class OptimizerSwapper:
 
         Inside, ``rt.masters`` maps every optimized segment to a fresh fp32 CPU tensor of its shard
         size and ``rt.optimizer.inner.state[view]`` holds ``step`` (0-d float tensor), ``exp_avg`` and
-        ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad) as views of resident buffers laid out
-        like the runs; the run views themselves view the resident masters. On exit the references
+        ``exp_avg_sq`` (and ``max_exp_avg_sq`` with AMSGrad) — or, for a declared optimizer, its scalars
+        and declared tensors — as views of resident buffers laid out like the runs; the run views
+        themselves view the resident masters. On exit the references
         are dropped (the storage is not freed in place: a checkpoint writer may still hold views).
         ``writeback=True``: changes made inside are written to the files on exit (the outermost
         exit when nested). Inside an earlier :meth:`materialize`, the materialized copy is used.
