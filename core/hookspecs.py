@@ -331,6 +331,31 @@ def microspeed_after_backward(engine: Engine, ctx: StepContext) -> None:
     """Notification: gradients of this micro-step exist (not yet reduced across ranks)."""
 
 
+@hookspec
+def microspeed_next_pass(engine: Engine, current: tuple[str, int], upcoming: tuple[str, int] | None) -> None:
+    """Notification: a runner that knows its schedule (a pipeline) starts a compute pass and says what follows.
+
+    Fired right before the pass's ``before_forward`` / ``before_backward``. ``current`` is the pass now starting
+    and ``upcoming`` the next compute pass this rank runs, each ``(kind, chunk)`` with ``kind`` ``"forward"``
+    or ``"backward"`` and ``chunk`` the part of the model it runs (a pipeline's chunk; 0 with one chunk);
+    ``upcoming`` is ``None`` when no pass follows before the optimizer step (or the end of the batch).
+    Data-parallel ranks that run the same schedule get the same sequence. A plugin that gathers
+    parameters (ZeRO-3) prefetches the next pass's first parameters and keeps those the next pass needs; a
+    gradient reducer reduces only the current chunk's gradients. Without it (``engine(x)`` /
+    ``engine.backward``), a forward with gradients is followed by its backward.
+    """
+
+
+@hookspec(firstresult=True)
+def microspeed_pass_parameters(engine: Engine) -> list[list[torch.nn.Parameter]] | None:
+    """Who knows which parameters each chunk of a schedule uses: one list per chunk, indexed as
+    :func:`microspeed_next_pass` names chunks (a pipeline with ``num_chunks > 1``).
+
+    Asked once, when the optimizer is wrapped. A plugin that buckets gradients keeps each bucket within
+    one chunk and reduces, at the end of a chunk's backward, only that chunk's buckets. ``None``: one chunk.
+    """
+
+
 @hookspec(firstresult=True)
 def microspeed_gradient_buffers(engine: Engine) -> list[torch.Tensor] | None:
     """Who holds the accumulated gradients, when they are not the model parameters' ``.grad``.

@@ -179,6 +179,13 @@ class PipelinePlugin:
         engine.set_plugin_state("pipeline", self.runtime)
 
     @hookimpl
+    def microspeed_pass_parameters(self) -> list[list[torch.nn.Parameter]] | None:
+        """Several chunks per rank (interleaved): each chunk's parameters, so gradient buckets stay in one chunk."""
+        if self.runtime is None or self.runtime.chunks < 2:
+            return None
+        return self.runtime.chunk_parameters()
+
+    @hookimpl
     def microspeed_features(self) -> list[Feature]:
         """Pipeline parallelism (1F1B, interleaved) and tensor parallelism, for the composition matrix."""
         return list(FEATURES)

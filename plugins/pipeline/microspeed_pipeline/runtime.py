@@ -8,6 +8,9 @@ runtime gives each kind its meaning, and nothing else decides the order:
 * ``ForwardPass``: run this rank's layers of the chunk (between the core's ``before_forward`` and
   ``after_forward`` notifications; keyword arguments a plugin adds to ``ctx.kwargs`` go to the layers
   whose forward names them); the last virtual stage computes the loss;
+* before each ``ForwardPass``/``BackwardPass`` the core's ``next_pass`` notification names it and the next
+  compute pass of this rank's schedule (ZeRO-3 prefetches and keeps parameters across the two; a
+  gradient reducer reduces only the chunk whose backward ends);
 * ``BackwardPass``: between ``before_backward`` and ``after_backward``, the last virtual stage
   scales the loss through the core's ``scale_loss`` chain (gradient accumulation, fp16 loss
   scale) and runs the core's ``backward``; the others back-propagate the gradient they received;
@@ -35,7 +38,7 @@ import torch.distributed as dist
 
 from microspeed.plugin_api import GradientPartitioning, StepContext
 from microspeed_pipeline import schedule as sched
-from microspeed_pipeline.module import PipelineModule
+from microspeed_pipeline.module import PipelineModule, TiedLayerSpec
 from microspeed_pipeline.p2p import P2P, as_tuple
 
 
@@ -87,6 +90,19 @@ class PipelineRuntime:
         if name == "gpipe":
             return sched.GPipeSchedule(micro_batches, self.stages, self.stage_id)
         return sched.TrainSchedule(micro_batches, self.stages, self.stage_id)
+
+    def chunk_parameters(self) -> list[list[torch.nn.Parameter]]:
+        """This rank's parameters by chunk (a tied module's in each chunk that runs it), for the core's
+        ``pass_parameters`` question."""
+        out = []
+        for chunk in range(self.chunks):
+            seen: dict[int, torch.nn.Parameter] = {}
+            for _idx, f in self.module._funcs[chunk]:
+                layer = self.module.tied_modules[f.key] if isinstance(f, TiedLayerSpec) else f
+                if isinstance(layer, torch.nn.Module):
+                    seen.update((id(p), p) for p in layer.parameters())
+            out.append(list(seen.values()))
+        return out
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -211,16 +227,23 @@ class PipelineRuntime:
 
     def _run(self, schedule: sched.PipeSchedule) -> None:
         busy = 0.0
-        for ins in schedule.instructions():
+        instructions = schedule.instructions()
+        passes = [("forward" if isinstance(ins, sched.ForwardPass) else "backward", ins.chunk) for ins in instructions
+                  if isinstance(ins, (sched.ForwardPass, sched.BackwardPass))]
+        done = 0
+        for ins in instructions:
             if isinstance(ins, sched.LoadMicroBatch):
                 self._load(ins.micro_batch)
-            elif isinstance(ins, sched.ForwardPass):
+            elif isinstance(ins, (sched.ForwardPass, sched.BackwardPass)):
+                # say which pass starts and which follows (ZeRO-3 prefetches across, reducers reduce one chunk)
+                done += 1
+                self.engine.hook.microspeed_next_pass(engine=self.engine, current=passes[done - 1],
+                                                      upcoming=passes[done] if done < len(passes) else None)
                 t0 = time.perf_counter()
-                self._forward(ins.micro_batch, ins.chunk)
-                busy += time.perf_counter() - t0
-            elif isinstance(ins, sched.BackwardPass):
-                t0 = time.perf_counter()
-                self._backward(ins.micro_batch, ins.chunk)
+                if isinstance(ins, sched.ForwardPass):
+                    self._forward(ins.micro_batch, ins.chunk)
+                else:
+                    self._backward(ins.micro_batch, ins.chunk)
                 busy += time.perf_counter() - t0
             elif isinstance(ins, sched.SendActivation):
                 self._send_activation(ins)

@@ -123,6 +123,12 @@ class ZeroPlugin:
             self.rt.stage3.after_forward()
 
     @hookimpl
+    def microspeed_next_pass(self, current: tuple, upcoming: tuple | None) -> None:
+        """A schedule's next compute pass: stage 3 prefetches and keeps across it; stages 2, 3 reduce one chunk."""
+        if self._active():
+            self.rt.next_pass(current, upcoming)
+
+    @hookimpl
     def microspeed_no_sync(self) -> None:
         """Stages 2, 3: refuse ``no_sync()`` on entry, as DeepSpeed asserts."""
         if self._active() and self.rt.stage >= 2:

@@ -8,7 +8,9 @@
 * **Stages 2 and 3** reduce every micro-step: when a segment's gradients are all there, they are
   copied into a staging bucket, the parameters' ``.grad`` freed, and the bucket reduced
   asynchronously; the rank's slice of the result is added to its gradient partition. At most
-  two buckets are in flight, so gradient memory stays a partition plus two buckets.
+  two buckets are in flight, so gradient memory stays a partition plus two buckets. When a schedule
+  runs several chunks (an interleaved pipeline), the end of a chunk's backward reduces that chunk's
+  segments only (the runtime cuts segments within one chunk).
 
 The collective is chosen per backend (``reduce_scatter: true``,
 :class:`microspeed_zero.collectives.PartitionedReduce`): gloo ``all_to_all_single`` plus a local
@@ -165,10 +167,11 @@ class GradientReducer:
 
     # -- end of backward / boundary ----------------------------------------------------------
 
-    def flush(self) -> None:
-        """Launch every segment not launched yet (in index order), wait for all, reset counters."""
+    def flush(self, only: set[int] | None = None) -> None:
+        """Launch every segment not launched yet (in index order; of ``only`` when given: the segments of the chunk
+        whose backward ends), wait for all, reset counters."""
         for seg in self.segments:
-            if seg.index not in self.launched and seg.trainable:
+            if seg.index not in self.launched and seg.trainable and (only is None or seg.index in only):
                 self.launch(seg)
         while self.pending:
             self._finish(*self.pending.popleft())

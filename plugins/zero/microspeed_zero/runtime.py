@@ -83,6 +83,9 @@ class ZeroRuntime:
         self.used: set[int] = set()  # ignore_unused_parameters false: parameters with a gradient in this window
         self.ties: list[tuple[GradientSum, Segment]] = []  # segments of marked (tied) parameters, in key order
         self._norm_runs: dict[int, list[tuple[int, int, NormRule | None]]] | None = None
+        self.chunk_of: dict[int, frozenset[int]] = {}  # id(param) -> the schedule's chunks using it (pass_parameters)
+        self.chunk_segments: dict[int, set[int]] = {}  # chunk -> segments holding its parameters
+        self.current_pass: tuple[str, Any] | None = None  # announced by a schedule (microspeed_next_pass)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -120,6 +123,10 @@ class ZeroRuntime:
                               f"parameters of the model; ZeRO partitions the model's parameters — build the "
                               f"optimizer over model.parameters() (or subsets of them).")
         self.optimizer = ZeroOptimizer(optimizer, self)
+        chunks = self.engine.hook.microspeed_pass_parameters(engine=self.engine) or []
+        for c, params in enumerate(chunks):  # an interleaved pipeline: buckets stay within one chunk
+            for p in params:
+                self.chunk_of[id(p)] = self.chunk_of.get(id(p), frozenset()) | {c}
         if self.stage < 3:
             self.names = {id(p): n for n, p in model.named_parameters()}
             order = [(self.names[id(p)], p, group_of[id(p)]) for p in reversed(list(model.parameters()))
@@ -131,6 +138,10 @@ class ZeroRuntime:
             for seg in self.segments:
                 seg.groups = [group_of.get(id(p)) if p.requires_grad else None for p in seg.params]
         self._find_ties()
+        for seg in self.segments:
+            for p in seg.params:
+                for c in self.chunk_of.get(id(p), ()):
+                    self.chunk_segments.setdefault(c, set()).add(seg.index)
         self._make_accumulators()
         self._make_masters()
         for seg, _g, _s, _e, view in self.optimizer.runs:  # a replica group's slices say so (1-bit LAMB's sums)
@@ -152,7 +163,9 @@ class ZeroRuntime:
         """Stages 1, 2: segments over the data-parallel group, then over each replica group (see ``ReplicaGroup``).
 
         Parameters are grouped first (each group keeps backward order) so that every segment has one
-        :class:`NormRule` (the norm counts a segment's shard with one rule) and the parameters marked with
+        :class:`NormRule` (the norm counts a segment's shard with one rule), holds the parameters of one
+        chunk of a schedule (``pass_parameters``: a chunk's backward completes its segments, and only those
+        are reduced) and the parameters marked with
         one :class:`GradientSum` key form segments of their own, ordered by name: the same layout on every
         rank of the sum's group, so the reduced shards are summed element by element.
         """
@@ -163,11 +176,12 @@ class ZeroRuntime:
             rule = norm.rule_for(item[1]) if rules else None
             rule_key = None if rule is None else (rule.skip, tuple(id(g) for g in rule.groups))
             mark = summed_over(item[1])
-            key = (replica_group(item[1]), mark.key if mark is not None else None, rule_key)
+            key = (replica_group(item[1]), mark.key if mark is not None else None, rule_key,
+                   self.chunk_of.get(id(item[1])))
             by_group.setdefault(key, []).append(item)
         ordered = sorted(by_group.items(), key=lambda kv: kv[0][1] is not None)  # marked ones last
         segments: list[Segment] = []
-        for (rg, tie, _), members in ordered:
+        for (rg, tie, _, _), members in ordered:
             if tie is not None:
                 members = sorted(members, key=lambda item: item[0])
             world, rank, group = (self.world, self.rank, self.group) if rg is None else (rg.size, rg.rank, rg.group)
@@ -302,9 +316,19 @@ class ZeroRuntime:
                             view.add_(p.grad.view_as(view))
                             p.grad = None
             return
-        self.reducer.flush()
+        current, self.current_pass = self.current_pass, None
+        only = None
+        if current is not None and current[0] == "backward" and self.chunk_segments:
+            only = self.chunk_segments.get(current[1], set())  # the other chunks' gradients are not here
+        self.reducer.flush(only)
         if self.stage3 is not None:
             self.stage3.after_backward()
+
+    def next_pass(self, current: tuple[str, Any], upcoming: tuple[str, Any] | None) -> None:
+        """A schedule starts pass ``current`` and runs ``upcoming`` next (see ``microspeed_next_pass``)."""
+        self.current_pass = current
+        if self.stage3 is not None:
+            self.stage3.announce(current, upcoming)
 
     def reduce_at_boundary(self) -> None:
         """Stage 1: reduce what was not launched during backward and wait for all. Every stage: sum the
@@ -357,6 +381,8 @@ class ZeroRuntime:
         else:
             self._step_in_memory(order, grads, coef)
         opt.applied_steps += 1
+        if self.stage3 is not None:
+            self.stage3.after_optimizer_step()
         if not self.cfg.overlap_comm:
             self.wait_gathers()
         return StepOutcome(applied=True, grad_norm=norm)

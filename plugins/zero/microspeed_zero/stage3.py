@@ -16,6 +16,16 @@ placeholder (``p.ds_shape`` / ``p.ds_numel`` give its real shape); the rank keep
   are accumulated, the reducer reduces them into the gradient partition and the segment is
   released.
 
+* **Across passes**: when the next compute pass is known — a schedule announces it through the core's
+  ``next_pass`` notification (a pipeline: the backward of a micro-batch, the next micro-batch's forward,
+  another chunk), and without one a forward with gradients is followed by its backward and a backward
+  inside an accumulation window by the next forward — prefetching runs on from the end of the current
+  pass into the next pass's recorded order (within the same budgets), and a segment the next pass uses
+  within ``stage3_max_reuse_distance`` elements stays gathered instead of being released and gathered
+  again (the last layers of a forward are the first of its backward), as long as at most
+  ``stage3_max_live_parameters`` elements stay gathered. Nothing stays gathered over an optimizer step
+  (its first forward gathers the updated parameters). :attr:`ParameterPartitioner.stats` counts gathers.
+
 Releasing shrinks the flat buffer's storage to zero bytes (as FSDP does) and points the
 parameters at the placeholder: tensors autograd saved from the forward keep referring to the
 same storage, which the backward gather fills again, so any module works unchanged.
@@ -42,6 +52,8 @@ Each parameter carries DeepSpeed's ``ds_id``, ``ds_shape``, ``ds_numel`` and ``d
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -109,6 +121,17 @@ class ParameterPartitioner:
         self.position: dict[int, list[int]] = {}
         self.orders: dict[frozenset, tuple[list[int], dict[int, list[int]]]] = {}  # one per kind of forward
         self.handles: list[Any] = []
+        # across passes: what the schedule announced for the pass now running ((kind, chunk), upcoming)
+        self.plan: tuple[Any, Any] | None = None
+        self.chunk_orders: dict[Any, tuple[list[int], dict[int, list[int]]]] = {}  # announced chunk -> forward order
+        self.in_backward = False
+        self.busy: set[int] = set()  # fetched for a backward whose gradients are not reduced yet
+        self.bw_cursor = -1  # position in the backward order of the module whose backward runs
+        self._upcoming: list[int] | None = None  # the next pass's order (cached for the running pass)
+        self.live = 0  # elements of non-persistent segments gathered or in flight
+        self.stats = {"gathers": 0, "sync": 0, "peak_live": 0}
+        """Counters: every all-gather of a non-persistent segment, those launched synchronously (the segment
+        was needed and not prefetched or kept), and the most elements gathered at once."""
         self.placeholders: dict[tuple, torch.Tensor] = {}
         self.offload = self.cfg.offload_param in ("cpu", "nvme")  # shards in host memory (or files)
         self.pin = self.offload and self.cfg.pin_memory and torch.cuda.is_available()
@@ -230,6 +253,8 @@ class ParameterPartitioner:
             p.data = view
 
     def _drop(self, seg: Segment) -> None:
+        if not seg.persistent and self.status.get(seg.index, RELEASED) != RELEASED:
+            self.live -= seg.padded
         for p in seg.params:
             p.data = self._placeholder(p)
             watch(p)  # last, for the same reason
@@ -251,6 +276,10 @@ class ParameterPartitioner:
         work = _gather_into(flat, shard, seg.group, async_op)
         self.works[seg.index] = work
         self._set_status(seg, INFLIGHT)
+        self.live += seg.padded
+        self.stats["gathers"] += 1
+        self.stats["sync"] += not async_op
+        self.stats["peak_live"] = max(self.stats["peak_live"], self.live)
 
     def fetch(self, index: int) -> None:
         """Make segment ``index``'s parameters whole (waiting for a prefetch, or gathering now)."""
@@ -278,13 +307,14 @@ class ParameterPartitioner:
 
     def live_elements(self) -> int:
         """Elements of non-persistent segments gathered or being gathered now."""
-        return sum(s.padded for s in self.segments if not s.persistent and self.status[s.index] != RELEASED)
+        return self.live
 
-    def _prefetch(self, order: list[int], after: int) -> None:
+    def _prefetch(self, indices: Iterable[int]) -> None:
+        """Launch the gathers of ``indices`` (in order of use), up to the prefetch and live budgets."""
         budget = self.cfg.prefetch_bucket_size
-        live = self.live_elements()
+        live = self.live
         ahead = 0
-        for index in order[after + 1:]:
+        for index in indices:
             seg = self.segments[index]
             if seg.persistent or self.status[index] != RELEASED:
                 continue
@@ -331,6 +361,7 @@ class ParameterPartitioner:
             self.leaf_depth += 1
         if not needed:
             return
+        self._make_room(needed)
         for index in needed:
             self.fetch(index)
             self.uses[index] = self.uses.get(index, 0) + 1
@@ -339,7 +370,7 @@ class ParameterPartitioner:
         if not (n <= len(self.order) and self.order[n - 1] == self.trace[-1]):  # another forward (pipeline chunk)
             self._select_order(lambda order: order[:n] == self.trace)
         if self.order and n <= len(self.order) and self.order[n - 1] == self.trace[-1]:
-            self._prefetch(self.order, n - 1)
+            self._prefetch(chain(self.order[n:], self._next_order()))
 
     def _post_forward(self, module: torch.nn.Module, outputs: Any) -> None:
         if not self.stack or self.stack[-1].module is not module:
@@ -378,15 +409,101 @@ class ParameterPartitioner:
                 self.held.add(index)
 
     def _reused_soon(self, index: int) -> bool:
-        if not self.order or self.cfg.max_reuse_distance <= 0:
+        """Whether segment ``index`` is used again within ``stage3_max_reuse_distance`` elements — later in this
+        pass or in the next one — and what is gathered until then fits ``stage3_max_live_parameters`` with it
+        (keeping it never stalls a prefetch)."""
+        limit = min(self.cfg.max_reuse_distance, self.cfg.max_live_parameters - self.live)
+        if limit < 0:
             return False
-        now = len(self.trace) - 1
         distance = 0
-        for later in self.order[now + 1:]:
+        for later in self._lookahead():
             if later == index:
-                return distance <= self.cfg.max_reuse_distance
+                return True
             distance += self.segments[later].padded
+            if distance > limit:
+                return False
         return False
+
+    def _lookahead(self) -> Iterator[int]:
+        """The segments still to be used, in order: the rest of the running pass, then the next pass."""
+        if self.in_backward:
+            rest = reversed(self.order[:max(0, len(self.order) - 1 - self.bw_cursor)])
+        else:
+            rest = iter(self.order[len(self.trace):])
+        return chain(rest, self._next_order())
+
+    def _next_order(self) -> list[int]:
+        """The order in which the next compute pass uses segments (``[]``: unknown, or the step comes first)."""
+        if self._upcoming is None:
+            self._upcoming = self._find_next_order()
+        return self._upcoming
+
+    def _find_next_order(self) -> list[int]:
+        if self.plan is not None:  # announced by the schedule
+            upcoming = self.plan[1]
+            recorded = self.chunk_orders.get(upcoming[1]) if upcoming is not None else None
+            if recorded is None:
+                return []
+            return list(recorded[0]) if upcoming[0] == "forward" else list(reversed(recorded[0]))
+        if self.in_backward:  # engine.backward: the next micro-step's forward, unless the step comes first
+            ctx = getattr(self.rt.engine, "ctx", None)
+            return [] if ctx is None or ctx.boundary else list(self.order)
+        if torch.is_grad_enabled():  # engine(x) with gradients: its backward follows
+            return list(reversed(self.order))
+        return []
+
+    def _release_unless_next(self) -> None:
+        """End of a pass: release every gathered segment but those the next pass uses early (within the reuse
+        distance, and with what it gathers before them within the live budget), then prefetch the next pass's
+        first segments."""
+        upcoming = self._next_order()
+        keep: set[int] = set()
+        limit, room = self.cfg.max_reuse_distance, self.cfg.max_live_parameters
+        live = sum(self.segments[i].padded for i in self.held if not self.segments[i].persistent)
+        distance = 0
+        for index in upcoming:
+            seg = self.segments[index]
+            if distance > limit:
+                break
+            if not seg.persistent and self.status[index] != RELEASED and index not in keep:
+                if live + distance + seg.padded > room:
+                    break
+                keep.add(index)
+                live += seg.padded
+            distance += seg.padded
+        for seg in self.segments:
+            if seg.index not in self.held and seg.index not in keep:
+                self.release(seg.index)
+        self._prefetch(upcoming)
+
+    def _make_room(self, needed: list[int]) -> None:
+        """Before gathering ``needed``: release idle gathered segments (kept or prefetched ones no running
+        module holds; the furthest next use first) until the gathers fit ``stage3_max_live_parameters``."""
+        room = self.cfg.max_live_parameters
+        need = sum(self.segments[i].padded for i in set(needed)
+                   if not self.segments[i].persistent and self.status[i] == RELEASED)
+        if self.live + need <= room:
+            return
+        protect = set(needed) | self.held | self.busy
+        idle = [s.index for s in self.segments if not s.persistent and self.status[s.index] != RELEASED
+                and not self.uses.get(s.index) and s.index not in protect]
+        if not idle:
+            return
+        first_use: dict[int, int] = {}
+        for pos, index in enumerate(self._lookahead()):
+            first_use.setdefault(index, pos)
+        for index in sorted(idle, key=lambda i: first_use.get(i, len(self.segments) * 4), reverse=True):
+            if self.live + need <= room:
+                break
+            self.release(index)
+
+    def announce(self, current: tuple[str, Any], upcoming: tuple[str, Any] | None) -> None:
+        """A schedule starts pass ``current`` (``(kind, chunk)``) and runs ``upcoming`` next (``None``: the step)."""
+        self.plan = (current, upcoming)
+        self._upcoming = None
+        recorded = self.chunk_orders.get(current[1])
+        if recorded is not None:
+            self.order, self.position = recorded
 
     def _select_order(self, matches: Any) -> None:
         """Prefetch along the most recent recorded order for which ``matches(order)`` holds, if any.
@@ -400,14 +517,19 @@ class ParameterPartitioner:
                 return
 
     def _pre_backward(self, needed: list[int]) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self._upcoming = None
+        self._make_room(needed)
         for index in needed:
             self.fetch(index)
+        self.busy.update(needed)
         if any(i not in self.position for i in needed):  # the backward of another forward (pipeline chunk)
             self._select_order(lambda order: all(i in order for i in needed))
-        backward_order = list(reversed(self.order))
-        if backward_order:
-            first = min(len(self.order) - 1 - max(self.position.get(i, [0])) for i in needed)
-            self._prefetch(backward_order, first)
+        if self.order:
+            n = len(self.order)
+            self.bw_cursor = first = min(n - 1 - max(self.position.get(i, [0])) for i in needed)
+            self._prefetch(chain(reversed(self.order[:max(0, n - 1 - first)]), self._next_order()))
 
     # -- engine events ---------------------------------------------------------------------------
 
@@ -423,24 +545,40 @@ class ParameterPartitioner:
             self.orders[key] = (self.order, self.position)
             if len(self.orders) > 8:  # a model whose forwards differ freely: keep the recent ones
                 del self.orders[next(iter(self.orders))]
+            if self.plan is not None and self.plan[0][0] == "forward":
+                self.chunk_orders[self.plan[0][1]] = (self.order, self.position)
         self.trace = []
         self.uses.clear()
         self.stack.clear()
         self.leaf_depth = 0
         if not torch.is_grad_enabled():
             self.active = False
-        for seg in self.segments:
-            if seg.index not in self.held:
-                self.release(seg.index)
+        self.in_backward = False
+        self._upcoming = None
+        self._release_unless_next()
+        self.plan, self._upcoming = None, None
 
     def after_reduced(self, seg: Segment) -> None:
-        """A segment's gradients left for reduction: its parameters are not needed in this backward."""
-        self.release(seg.index)
+        """A segment's gradients left for reduction: its parameters are not needed in this backward (kept when
+        the next pass uses them soon)."""
+        self.busy.discard(seg.index)
+        if not self._reused_soon(seg.index):
+            self.release(seg.index)
 
     def after_backward(self) -> None:
-        """Release every segment still gathered (frozen parameters, unused prefetches)."""
+        """Release every segment still gathered (frozen parameters, unused prefetches) but those the next pass
+        uses first."""
         self.active = False
         self.held.clear()
+        self.in_backward = True  # a backward in which no module hook ran still ends as one
+        self._upcoming = None
+        self._release_unless_next()
+        self.in_backward, self.bw_cursor = False, -1
+        self.busy.clear()
+        self.plan, self._upcoming = None, None
+
+    def after_optimizer_step(self) -> None:
+        """The shards were stepped: no whole copy may outlive the step (it would be stale)."""
         for seg in self.segments:
             self.release(seg.index)
 
