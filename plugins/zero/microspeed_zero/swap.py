@@ -50,6 +50,7 @@ then write back).
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import os
 from collections.abc import Iterator
@@ -349,7 +350,7 @@ class OptimizerSwapper:
             if parts is not None:
                 param.partition_pieces = parts
             param.grad = g32[p.seg][p.start:p.end]
-            state = dict(before[p.run])
+            state = copy.deepcopy(before[p.run])  # a piece's step must not move another's scalars (0-d tensors)
             for j, name in enumerate(self.initial, start=1):
                 state[name] = tensors[j][p.lo:p.hi]
             inner.state[param] = state
