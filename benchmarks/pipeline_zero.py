@@ -19,6 +19,11 @@ micro-batches (each data-parallel rank its own), in an order that rotates every 
 ZeRO-1 (DeepSpeed's median / ours: above 1 is faster), the median of the per-step ratios, and the largest relative
 difference of the per-step losses from microspeed's ZeRO-1 (every engine should train the same numbers).
 
+**Gathers.** For ZeRO-3, per batch and rank (medians): the all-gathers of parameter segments, those that ran
+synchronously (the segment was needed and neither prefetched nor kept from the pass before), and the most
+elements gathered at once. The pipeline announces each pass and the next one, so ZeRO-3 keeps what the next
+pass uses first and prefetches across passes, within ``stage3_max_live_parameters`` (``--stage3-max-live``).
+
 **Memory.** Per rank, the model-state bytes microspeed's ZeRO accounts for (``microspeed.zero.memory_breakdown``:
 parameters, gradient accumulators, fp32 masters and Adam state, counted by storage), against the accounting for
 ``P`` parameters of this stage and Adam in fp32 (4 bytes parameter, 4 gradient, 8 state):
@@ -82,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--stages", default="1,2,3", help="comma-separated microspeed ZeRO stages")
+    p.add_argument("--stage3-max-live", type=float, default=None,
+                   help="ZeRO-3's stage3_max_live_parameters (elements; default: ZeRO's, 1e9)")
     p.add_argument("--skip-deepspeed", action="store_true")
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json-out", default=None)
@@ -97,7 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _config(args: argparse.Namespace, stage: int) -> dict[str, Any]:
     return {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": args.micro_batches,
             "optimizer": optimizer_section(args.lr), "steps_per_print": 10**9,
-            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}}
+            "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+                                  **({"stage3_max_live_parameters": args.stage3_max_live}
+                                     if stage == 3 and args.stage3_max_live else {})}}
 
 
 def _layers(spec: Any, args: argparse.Namespace) -> list[Any]:
@@ -182,10 +191,14 @@ def bench_rank(args: argparse.Namespace) -> dict[str, Any] | None:
     names = list(engines)
     times: dict[str, list[float]] = {n: [] for n in names}
     losses: dict[str, list[float]] = {n: [] for n in names}
+    gathers: dict[str, list[dict[str, int]]] = {}  # ZeRO-3: all-gathers, synchronous ones, peak gathered elements
+    parts = {n: e.plugin_state("zero").stage3 for n, e in engines.items() if n in memory and memory[n]["stage"] == 3}
     for step in range(args.warmup + args.steps):
         data = make_batch(args, step, dp_rank)
         order = names[step % len(names):] + names[:step % len(names)]
         for name in order:
+            if name in parts:
+                parts[name].stats.update(gathers=0, sync=0, peak_live=0)
             dist.barrier()
             t0 = time.perf_counter()
             loss = float(engines[name].train_batch(iter(data)).item())
@@ -193,15 +206,17 @@ def bench_rank(args: argparse.Namespace) -> dict[str, Any] | None:
             losses[name].append(loss)
             if step >= args.warmup:
                 times[name].append(elapsed)
+                if name in parts:
+                    gathers.setdefault(name, []).append(dict(parts[name].stats))
     for name, entry in memory.items():  # after training: optimizer state exists
         entry["breakdown"] = microspeed_zero.memory_breakdown(engines[name])
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"times": times, "losses": losses, "memory": memory})
+    dist.all_gather_object(gathered, {"times": times, "losses": losses, "memory": memory, "gathers": gathers})
     if rank != 0:
         return None
     per_step = {n: [max(g["times"][n][i] for g in gathered) for i in range(args.steps)] for n in names}
     return {"names": names, "times": per_step, "losses": gathered[0]["losses"], "errors": errors,
-            "memory": [g["memory"] for g in gathered]}
+            "memory": [g["memory"] for g in gathered], "gathers": [g["gathers"] for g in gathered]}
 
 
 def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -226,7 +241,12 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
             acc = accounted(entry["stage"], entry["params_this_stage"], entry["dp"])
             memory.append({"engine": n, "rank": rank, "params_this_stage": entry["params_this_stage"],
                            "measured_bytes": measured, "accounted_bytes": acc, "ratio": measured / acc, **b})
-    return {"speed": speed, "memory": memory}
+    gathers = []
+    for rank, per in enumerate(result.get("gathers", [])):
+        for n, batches in per.items():
+            gathers.append({"engine": n, "rank": rank, **{k: statistics.median(b[k] for b in batches)
+                                                          for k in ("gathers", "sync", "peak_live")}})
+    return {"speed": speed, "memory": memory, "gathers": gathers}
 
 
 def print_tables(summary: dict[str, Any], result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -243,6 +263,11 @@ def print_tables(summary: dict[str, Any], result: dict[str, Any], args: argparse
     for r in summary["memory"]:
         print(f"{r['engine']:<28}{r['rank']:>5}{r['params_this_stage']:>10}{r['parameters']:>11}{r['gradients']:>11}"
               f"{r['optimizer_states']:>11}{r['measured_bytes']:>11}{r['accounted_bytes']:>11}{r['ratio']:>7.3f}")
+    if summary["gathers"]:
+        print(f"\n{'ZeRO-3 per batch (median)':<28}{'rank':>5}{'all-gathers':>13}{'synchronous':>13}"
+              f"{'peak gathered':>15}")
+        for r in summary["gathers"]:
+            print(f"{r['engine']:<28}{r['rank']:>5}{r['gathers']:>13.0f}{r['sync']:>13.0f}{r['peak_live']:>15.0f}")
     for n, e in result["errors"].items():
         print(f"\n{n} could not run: {e}")
 
