@@ -84,7 +84,7 @@ def test_a_failing_writer_never_publishes_and_the_error_names_the_file(tmp_path,
     engine.save_checkpoint(str(tmp_path), tag="good")
     import microspeed.checkpoint.saving as saving
 
-    def broken(tmp, rank, buffer, layout):
+    def broken(tmp, rank, buffer, layout, rng=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(saving, "write_rank_file", broken)
@@ -112,8 +112,8 @@ _KILLED = textwrap.dedent("""
     engine.save_checkpoint(sys.argv[1], tag="good")
     engine.wait_for_checkpoint()
     real = saving.write_rank_file
-    def dying(tmp, rank, buffer, layout):
-        real(tmp, rank, buffer, layout)   # this rank's file is complete ...
+    def dying(tmp, rank, buffer, layout, rng=None):
+        real(tmp, rank, buffer, layout, rng)   # this rank's file is complete ...
         os._exit(9)                       # ... but the process dies before the save is published
     saving.write_rank_file = dying
     engine.save_checkpoint(sys.argv[1], tag="bad")
@@ -153,7 +153,7 @@ def _two_ranks(root: str) -> dict:
 
     real = saving.write_rank_file
     if rank == 1:
-        def broken(tmp, r, buffer, layout):
+        def broken(tmp, r, buffer, layout, rng=None):
             raise OSError(5, "Input/output error")
         saving.write_rank_file = broken
     _train(engine, 5, 1)  # step 6 saves; rank 1's write fails in the background

@@ -33,6 +33,7 @@ class Saver:
         self.thread: threading.Thread | None = None
         self.error: str | None = None
         self.path: str | None = None
+        self.plan: tuple[list[int], set[tuple[str, tuple[int, ...]]]] | None = None  # items' fingerprints, mine
 
     def start(self, write: Callable[[], None], what: str, on_error: Callable[[str], None] | None = None) -> None:
         """Run ``write`` in a new (non-daemon) thread; ``what`` names the save in errors."""

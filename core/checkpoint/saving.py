@@ -90,32 +90,45 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     items = local_items(tensors)
 
     model_part = {"keys": list(module_sd), "aliases": aliases, "extra": extra}
-    digest = spread = ""
-    if world > 1:  # do the ranks hold different plugin states or parameters? (nobody to differ from on one rank)
-        digest = hashlib.sha256(pack(plugins_part)).hexdigest()
-        spread = hashlib.sha256(pack([model_part, optimizer_part])).hexdigest()
-    everyone = comm.all_gather_object({"tag": tag, "nonce": secrets.token_hex(6), "rng": _rng_state(),
-                                       "plugins": digest, "spread": spread, "items": describe(items),
-                                       "previous": previous})
-    failed = [f"rank {r}: {e['previous']}" for r, e in enumerate(everyone) if e["previous"]]
-    if failed:
-        raise CheckpointError("save_checkpoint: the previous asynchronous save failed and was not published "
-                              "(latest still names the save before it): " + "; ".join(failed))
-    tags = sorted({e["tag"] for e in everyone})
-    if len(tags) > 1:
-        raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
-                              f"on every rank.")
+    described = describe(items)
+    nonce = secrets.token_hex(6)
     by_rank = None
-    if len({e["plugins"] for e in everyone}) > 1:
-        by_rank = comm.all_gather_object(plugins_part)
-    if len({e["spread"] for e in everyone}) > 1:  # ranks hold different parameters (pipeline stages)
-        parts = comm.all_gather_object([model_part, optimizer_part])
-        model_part = merge_model_parts([p[0] for p in parts])
-        optimizer_part = merge_optimizer_parts([p[1] for p in parts])
-    mine = assign([e["items"] for e in everyone], rank)
-    layout = saver.staging.stage([i for i in items if i.ident in mine])
+    if world > 1:  # one small all-gather; objects are exchanged only where fingerprints differ
+        digest = pack(plugins_part)
+        spread = pack([model_part, optimizer_part])  # do the ranks hold different parameters (pipeline stages)?
+        mine = torch.tensor([_fingerprint(tag.encode()), _fingerprint(repr(described).encode()),
+                             _fingerprint(digest), _fingerprint(spread), int(previous is not None),
+                             int(nonce, 16) & (2**47 - 1)], dtype=torch.int64)
+        everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
+        comm.all_gather_into_tensor(everyone, mine)
+        column = everyone.view(world, -1).t().tolist()
+        if any(column[4]):
+            errors = comm.all_gather_object(previous)
+            raise CheckpointError("save_checkpoint: the previous asynchronous save failed and was not published "
+                                  "(latest still names the save before it): "
+                                  + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
+        if len(set(column[0])) > 1:
+            tags = sorted(set(comm.all_gather_object(tag)))
+            raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
+                                  f"on every rank.")
+        if len(set(column[2])) > 1:
+            by_rank = comm.all_gather_object(plugins_part)
+        if len(set(column[3])) > 1:
+            parts = comm.all_gather_object([model_part, optimizer_part])
+            model_part = merge_model_parts([p[0] for p in parts])
+            optimizer_part = merge_optimizer_parts([p[1] for p in parts])
+        nonce = f"{column[5][0]:012x}"
+        if saver.plan is None or saver.plan[0] != column[1]:  # the items changed: agree on who writes what
+            saver.plan = (column[1], assign(comm.all_gather_object(described), rank))
+        mine_idents = saver.plan[1]
+    else:
+        if previous is not None:
+            raise CheckpointError("save_checkpoint: the previous asynchronous save failed and was not published "
+                                  f"(latest still names the save before it): rank 0: {previous}")
+        mine_idents = assign([described], 0)
+    layout = saver.staging.stage([i for i in items if i.ident in mine_idents])
     del items, tensors  # the staged copy is what gets written; training may change the originals now
-    tmp = os.path.join(save_dir, f"{tag}{_TMP}{everyone[0]['nonce']}")
+    tmp = os.path.join(save_dir, f"{tag}{_TMP}{nonce}")
     os.makedirs(tmp, exist_ok=True)
     manifest: dict[str, Any] = {}
     if rank == 0:
@@ -127,15 +140,15 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
             "plugins": [[i.name, i.version] for i in engine.plugins.infos.values()],
             "model": model_part,
             "optimizer": optimizer_part, "lr_scheduler": scheduler_part, "plugin_states": plugins_part,
-            "plugin_states_by_rank": by_rank, "client_state": client_part, "rng": [e["rng"] for e in everyone],
+            "plugin_states_by_rank": by_rank, "client_state": client_part,  # "rng": every rank's, from its index
         })
         manifest = head  # split() built every container afresh and cloned 0-d tensors: training cannot change it
-    buffer = saver.staging.buffer
+    buffer, rng = saver.staging.buffer, _rng_state()
 
     if async_save:
         def write() -> None:
             try:
-                write_rank_file(tmp, rank, buffer, layout)
+                write_rank_file(tmp, rank, buffer, layout, rng)
             except BaseException as exc:
                 mark_failed(tmp, rank, f"{os.path.join(tmp, data_file(rank))}: {type(exc).__name__}: {exc}")
                 raise
@@ -147,7 +160,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         return True
     error = None
     try:
-        write_rank_file(tmp, rank, buffer, layout)
+        write_rank_file(tmp, rank, buffer, layout, rng)
     except Exception as exc:
         error = f"{os.path.join(tmp, data_file(rank))}: {type(exc).__name__}: {_short(exc)}"
     errors = comm.all_gather_object(error) if world > 1 else [error]
@@ -159,6 +172,11 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         _publish(save_dir, tag, tmp, save_latest)
     comm.barrier()
     return True
+
+
+def _fingerprint(data: bytes) -> int:
+    """A 47-bit digest of ``data`` (fits an int64 tensor element)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & (2**47 - 1)
 
 
 def async_enabled(config: Any) -> bool:

@@ -227,11 +227,12 @@ class _OneBlob:
         return _BufferIO(self.view)
 
 
-def write_rank_file(tmp: str, rank: int, buffer: torch.Tensor, layout: Layout) -> None:
+def write_rank_file(tmp: str, rank: int, buffer: torch.Tensor, layout: Layout, rng: Any = None) -> None:
     """Write this rank's staged bytes to ``tmp/__<rank>_0.distcp`` (synced), then its index file.
 
     Runs in the background thread of an asynchronous save. The index (items, offsets, crc32 of the
-    bytes as written) is this rank's completion marker.
+    bytes as written, and ``rng``: this rank's random-number states for the manifest) is this rank's
+    completion marker.
     """
     raw = buffer[:layout.nbytes].numpy()
     view = memoryview(raw).cast("B") if layout.nbytes else memoryview(b"")
@@ -249,7 +250,7 @@ def write_rank_file(tmp: str, rank: int, buffer: torch.Tensor, layout: Layout) -
     # synced index and manifest, and deletes it), the data file above is.
     marker = os.path.join(tmp, index_file(rank))
     with open(marker + ".part", "wb") as fh:
-        fh.write(pack({"file": data_file(rank), "bytes": layout.nbytes, "items": entries}))
+        fh.write(pack({"file": data_file(rank), "bytes": layout.nbytes, "items": entries, "rng": rng}))
     os.replace(marker + ".part", marker)
 
 
@@ -309,7 +310,9 @@ def finalize(tmp: str, world: int, manifest: dict[str, Any], timeout_s: float = 
             storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(index["file"], at, n)
     metadata = Metadata(state_dict_metadata=dict(state), planner_data={"format": RAW_FORMAT}, storage_data=storage)
     _write_bytes(os.path.join(tmp, _DCP_INDEX), pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
-    _write_bytes(os.path.join(tmp, MANIFEST), pack({**manifest, "tensor_files": files}))
+    rng = [index.get("rng") for index in indexes]
+    extra = {"rng": rng} if any(r is not None for r in rng) else {}
+    _write_bytes(os.path.join(tmp, MANIFEST), pack({**manifest, **extra, "tensor_files": files}))
     for r in range(world):
         try:
             os.remove(os.path.join(tmp, index_file(r)))
