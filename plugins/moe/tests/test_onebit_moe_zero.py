@@ -8,9 +8,18 @@ data-parallel group of 4). Compared with one process running the same optimizer 
 ``ep_size`` 1 (one rank: nothing compressed): the warm-up losses (and the loss after the last exact step) equal it to
 rel 1e-5, the compressed ones stay within :data:`COMPRESSED_TOL` (the band of the 1-bit x ZeRO tests), and the two
 copies of each expert are equal after training (stages 1 and 2 hold whole copies; stage 3 one shard of each).
+The ZeRO-2 runs also save after a compressed step and resume in a fresh engine with the same losses (the sender
+errors are checkpointed per rank and per group).
+
+The losses of so few small steps hardly see the experts (zeroing every expert gradient after the warm-up moves them
+by 2e-4), so the scaling and the group of the experts' compressed exchange are checked exactly on their own: with
+gradients constant per rank (which 1-bit compression keeps exactly) the momenta after a compressed step hold the
+group's sum over the data-parallel size (``test_compressed_expert_gradients_...``).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -52,12 +61,16 @@ def _run(engine, start: int, steps: int) -> tuple[list[float], list[bool]]:
 
 
 def _experts(engine) -> dict[str, torch.Tensor]:
-    """The expert parameters this rank holds (whole: stages 1 and 2)."""
+    """The expert parameters this rank holds, by global name (whole at stages 1 and 2)."""
     return {n: p.detach().clone() for n, p in engine.module.named_parameters() if "experts" in n}
 
 
-def _cases(cases: list[tuple[str, int]]) -> list[dict]:
-    """Train each (optimizer, ZeRO stage) on ``ep_size`` 2."""
+SAVE_AFTER = 3
+"""The ZeRO-2 runs save a checkpoint after this many steps (one compressed) and a fresh engine resumes from it."""
+
+
+def _cases(cases: list[tuple[str, int]], path: str) -> list[dict]:
+    """Train each (optimizer, ZeRO stage) on ``ep_size`` 2; at stage 2 also save and resume in a fresh engine."""
     import microspeed
 
     out = []
@@ -65,11 +78,19 @@ def _cases(cases: list[tuple[str, int]]) -> list[dict]:
         cfg = config({"optimizer": {"type": opt, "params": OPTIMIZERS[opt]}, "zero_optimization": {"stage": stage}})
         engine, *_ = microspeed.initialize(model=Net(ep_size=EP), config=cfg)
         inner = engine.plugin_state("comm").optimizer
-        losses, exact = _run(engine, 0, STEPS)
+        losses, exact = _run(engine, 0, SAVE_AFTER)
+        if stage == 2:
+            engine.save_checkpoint(path, tag=opt)
+        more, more_exact = _run(engine, SAVE_AFTER, STEPS)
         errors = inner.error_state().get("partition", {}).get("errors", {})
-        out.append({"losses": losses, "exact": exact, "partitioned": inner.partitioned,
-                    "experts": _experts(engine) if stage < 3 else {},
-                    "group_errors": sorted(k for k, e in errors.items() if "@" in k and bool(e.abs().sum() > 0))})
+        result = {"losses": losses + more, "exact": exact + more_exact, "partitioned": inner.partitioned,
+                  "experts": _experts(engine) if stage < 3 else {}, "resumed": None,
+                  "group_errors": sorted(k for k, e in errors.items() if "@" in k and bool(e.abs().sum() > 0))}
+        if stage == 2:
+            fresh, *_ = microspeed.initialize(model=Net(ep_size=EP), config=cfg)
+            fresh.load_checkpoint(path, tag=opt)
+            result["resumed"] = _run(fresh, SAVE_AFTER, STEPS)[0]
+        out.append(result)
     return out
 
 
@@ -106,55 +127,115 @@ def _check(name: str, run: dict, ref: list[float]) -> list[float]:
 def _assert_copies_agree(name: str, per_rank: list[dict]) -> None:
     """Ranks r and r + EP hold copies of the same experts (replica group (r, r + EP)): equal values."""
     for r in range(EP):
-        mine, other = per_rank[r], per_rank[r + EP]
-        assert mine.keys() == other.keys() and mine, name
+        mine, other = per_rank[r]["experts"], per_rank[r + EP]["experts"]
+        assert mine and list(mine) == list(other), name
         for key in mine:
             torch.testing.assert_close(mine[key], other[key], rtol=0, atol=0, msg=lambda m, k=key: f"{name} {k}: {m}")
 
 
-def _train_and_check(cases: list[tuple[str, int]]) -> None:
-    results = run_distributed(_cases, world_size=WORLD, args=(cases,), timeout=300)
+def _train_and_check(cases: list[tuple[str, int]], path: str) -> None:
+    results = run_distributed(_cases, world_size=WORLD, args=(cases, path), timeout=300)
     refs = {opt: _reference(opt) for opt in {opt for opt, _ in cases}}
     for i, (opt, stage) in enumerate(cases):
         name = f"{opt} zero-{stage}"
-        gaps = _check(name, results[0][i], refs[opt])
+        per_rank = [result[i] for result in results]
+        gaps = _check(name, per_rank[0], refs[opt])
         print(name, "compressed rel", [f"{g:.2g}" for g in gaps])
         if stage < 3:
-            _assert_copies_agree(name, [per_rank[i]["experts"] for per_rank in results])
+            _assert_copies_agree(name, per_rank)
+        if stage == 2:  # the sender errors of the data-parallel and of each replica group's segments are restored
+            for result in per_rank:
+                assert result["resumed"] == result["losses"][SAVE_AFTER:], (name, result)
 
 
 @pytest.mark.slow
-def test_onebit_and_zero_one_adam_with_moe_and_zero_1_2_3():
-    _train_and_check([(opt, stage) for opt in ("OneBitAdam", "ZeroOneAdam") for stage in (1, 2, 3)])
+def test_onebit_and_zero_one_adam_with_moe_and_zero_1_2_3(tmp_path):
+    """At ZeRO-2 a run resumed after a compressed step continues with the uninterrupted run's losses."""
+    _train_and_check([(opt, stage) for opt in ("OneBitAdam", "ZeroOneAdam") for stage in (1, 2, 3)], str(tmp_path))
 
 
 @pytest.mark.slow
-def test_onebit_lamb_with_moe_and_zero_1_2_3():
-    """An expert's trust ratio comes from its norms summed over its replica group only (not the other experts')."""
-    _train_and_check([("OneBitLamb", stage) for stage in (1, 2, 3)])
+def test_onebit_lamb_with_moe_and_zero_1_2_3(tmp_path):
+    """An expert's trust ratio comes from its norms summed over its replica group only (not the other experts');
+    the ZeRO-2 run resumes exactly too."""
+    _train_and_check([("OneBitLamb", stage) for stage in (1, 2, 3)], str(tmp_path))
 
 
-def _resume(path: str) -> dict[str, tuple[list[float], list[float]]]:
-    """ZeRO-2: train 3 steps (one compressed), save, train 2; a fresh engine loads and trains the same 2."""
+# ---------------------------------------------- exact: constant gradients (1-bit compression keeps them exactly)
+
+N = 256
+"""Values per parameter: whole blocks of the compressed layout on 4 ranks (dense) and on 2 (the expert's group)."""
+
+
+class _Constant(torch.nn.Module):
+    """A dense parameter and one held by a replica group (an expert), each gradient ``c`` in every element."""
+
+    def __init__(self, group, ranks) -> None:
+        super().__init__()
+        from microspeed.plugin_api import ReplicaGroup
+
+        self.dense = torch.nn.Parameter(torch.zeros(N))
+        self.expert = torch.nn.Parameter(torch.zeros(N))
+        self.expert.allreduce = False
+        self.expert.replica_group = ReplicaGroup(group, ranks)
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.dense * c).sum() + (self.expert * c).sum()
+
+
+def _momenta(cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Per (optimizer, stage): the warm-up's steps with gradient 1 everywhere (exact), then one with ``rank + 1``
+    (compressed); the momentum values of this rank's dense and expert slices."""
+    import torch.distributed as dist
+
     import microspeed
 
-    out = {}
-    for opt in ("OneBitAdam", "OneBitLamb"):
-        cfg = config({"optimizer": {"type": opt, "params": OPTIMIZERS[opt]}, "zero_optimization": {"stage": 2}})
-        first, *_ = microspeed.initialize(model=Net(ep_size=EP), config=cfg)
-        _run(first, 0, 3)
-        first.save_checkpoint(path, tag=opt)
-        after, _ = _run(first, 3, STEPS)
-        second, *_ = microspeed.initialize(model=Net(ep_size=EP), config=cfg)
-        second.load_checkpoint(path, tag=opt)
-        out[opt] = (after, _run(second, 3, STEPS)[0])
+    rank = dist.get_rank()
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in ((0, 2), (1, 3))}
+    mine = (0, 2) if rank % 2 == 0 else (1, 3)
+    out = []
+    for opt, stage in cases:
+        params = {"lr": 1e-3, "betas": [0.5, 0.9]}
+        params.update({"freeze_step": 1} if opt != "ZeroOneAdam" else
+                      {"var_freeze_step": 1, "var_update_scaler": 1, "local_step_clipper": 1})
+        cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
+               "optimizer": {"type": opt, "params": params}}
+        engine, *_ = microspeed.initialize(model=_Constant(groups[mine], mine), config=cfg)
+        inner = engine.plugin_state("comm").optimizer
+        exact = 0
+        while inner.full_precision_gradients_next() and exact < 4:  # the warm-up: gradient 1, averaged exactly
+            engine.backward(engine(torch.tensor(1.0)))
+            engine.step()
+            exact += 1
+        compressed = not inner.full_precision_gradients_next()
+        engine.backward(engine(torch.tensor(float(rank + 1))))  # compressed: rank + 1
+        engine.step()
+        values: dict[str, Any] = {"dense": [], "expert": [], "exact": exact, "compressed": compressed}
+        for group in inner.param_groups:
+            for view in group["params"]:
+                if view.numel():
+                    key = "expert" if getattr(view, "replica_group", None) is not None else "dense"
+                    values[key] += inner.state[view]["exp_avg"].tolist()
+        out.append(values)
     return out
 
 
 @pytest.mark.slow
-def test_a_resumed_run_continues_exactly(tmp_path):
-    """The sender errors of the data-parallel and of each replica group's segments are checkpointed per rank: the
-    compressed steps after the load equal the uninterrupted run's."""
-    for rank_result in run_distributed(_resume, world_size=WORLD, args=(str(tmp_path),), timeout=300):
-        for opt, (after, resumed) in rank_result.items():
-            assert resumed == after, (opt, after, resumed)
+def test_compressed_expert_gradients_are_summed_over_their_replica_group_divided_by_the_world():
+    """Exact (constant gradients compress without loss): after the first compressed step an expert's momentum
+    holds the sum of its replica group's gradients over the data-parallel size, the dense one the average over
+    every rank, at every stage and for each optimizer (summed over the whole group, or scaled otherwise, the
+    expert's would differ)."""
+    cases = [(opt, stage) for opt in OPTIMIZERS for stage in (1, 2, 3)]
+    b1 = 0.5
+    for rank, per_case in enumerate(run_distributed(_momenta, world_size=WORLD, args=(cases,), timeout=300)):
+        group = (0, 2) if rank % 2 == 0 else (1, 3)
+        for (opt, stage), values in zip(cases, per_case, strict=True):
+            assert values["compressed"] and 1 <= values["exact"] < 4, (opt, stage, values["exact"])
+            warm = 1 - b1 ** values["exact"]  # the momentum after the warm-up's lerps towards gradient g1
+            expected = {"dense": b1 * warm * 1.0 + (1 - b1) * sum(q + 1 for q in range(WORLD)) / WORLD,
+                        "expert": b1 * warm * len(group) / WORLD + (1 - b1) * sum(q + 1 for q in group) / WORLD}
+            for key, want in expected.items():
+                assert values[key], (opt, stage, key)
+                torch.testing.assert_close(torch.tensor(values[key]), torch.full((len(values[key]),), want),
+                                           rtol=1e-6, atol=0, msg=lambda m, k=key, o=opt, s=stage: f"{o} z{s} {k}: {m}")
