@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from microspeed.plugin_api import comm
 from microspeed_comm.compressed import DEFAULT_BLOCK_SIZE
 from microspeed_comm.onebit import OneBitOptimizer, check_number
 
@@ -225,12 +224,7 @@ class OneBitLamb(OneBitOptimizer):
     def _whole_parameter_sums(self, partial: torch.Tensor) -> torch.Tensor:
         """``[count, 4]``: :meth:`_local_sums` summed (maximised, the fourth) over the group (one collective for the
         step, the same shape in every phase)."""
-        if self.world_size > 1:
-            gathered = [torch.empty_like(partial) for _ in range(self.world_size)]
-            comm.all_gather(gathered, partial, group=self.group)
-            stacked = torch.stack(gathered)
-            partial = torch.cat([stacked[..., :3].sum(0), stacked[..., 3:].amax(0)], dim=1)
-        return partial
+        return self.reduce_partials(partial, summed=3)  # over each parameter's holders (experts: replica group)
 
     # -- streamed (ZeRO's NVMe offload: microspeed.plugin_api.ElementwiseState / ParameterSums) ---------
 

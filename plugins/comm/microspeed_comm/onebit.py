@@ -93,6 +93,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._frozen_denoms: dict[torch.Tensor, torch.Tensor] = {}
         self.partitioned = False
         self._partition_errors: dict[str, torch.Tensor] = {}
+        self._holders_mask: tuple[int, torch.Tensor | None] | None = None
 
     # -- group and phase ---------------------------------------------------------------------
 
@@ -229,6 +230,48 @@ class OneBitOptimizer(torch.optim.Optimizer):
                 rg = replica_group(p)
                 if rg is not None and p.grad is not None and rg.size != world:
                     p.grad.mul_(rg.size / world)
+
+    def reduce_partials(self, partial: torch.Tensor, summed: int) -> torch.Tensor:
+        """Partitioned: per-parameter partial reductions (``[count, columns]``, row ``i`` this rank's part of the
+        ``i``-th of the partitioner's parameters, ``partition_pieces``) combined over the ranks holding each parameter:
+        the first ``summed`` columns summed, the others maximised.
+
+        A parameter is held by the whole group, or (MoE experts: a slice carrying ``replica_group``) by its replica
+        group only; the other ranks' rows of that index are other experts', left out. One all-gather over the group.
+        """
+        if self.world_size == 1:
+            return partial
+        gathered = [torch.empty_like(partial) for _ in range(self.world_size)]
+        comm.all_gather(gathered, partial, group=self.group)
+        stacked = torch.stack(gathered)
+        holders = self._holders(partial.shape[0], partial.device)
+        if holders is None:
+            return torch.cat([stacked[..., :summed].sum(0), stacked[..., summed:].amax(0)], dim=1)
+        held = holders.unsqueeze(-1)
+        return torch.cat([(stacked[..., :summed] * held).sum(0),
+                          stacked[..., summed:].masked_fill(~held, float("-inf")).amax(0)], dim=1)
+
+    def _holders(self, count: int, device: Any) -> torch.Tensor | None:
+        """``[world, count]`` bools: which ranks of the group hold (a copy of) each parameter this rank has pieces
+        of; ``None`` when the slices carry no replica group (every parameter is the whole group's). Built once."""
+        cached = self._holders_mask
+        if cached is not None and cached[0] == count:
+            return cached[1]
+        mask = None
+        ranks = list(range(self.world_size)) if self.group is None else \
+            list(torch.distributed.get_process_group_ranks(self.group))
+        for group in self.param_groups:
+            for view in group["params"]:
+                rg = replica_group(view)
+                if rg is None:
+                    continue
+                if mask is None:
+                    mask = torch.ones(self.world_size, count, dtype=torch.bool, device=device)
+                held = torch.tensor([r in rg.ranks for r in ranks], dtype=torch.bool, device=device)
+                for index, _, _ in getattr(view, "partition_pieces", (0, ()))[1]:
+                    mask[:, index] = held
+        self._holders_mask = (count, mask)
+        return mask
 
     def partition_error(self, key: Any, numel: int, device: Any = None) -> torch.Tensor:
         """Partitioned: the sender-error buffer of the partitioner's compressed exchange ``key`` (kept here, so
