@@ -93,7 +93,7 @@ class OneBitOptimizer(torch.optim.Optimizer):
         self._frozen_denoms: dict[torch.Tensor, torch.Tensor] = {}
         self.partitioned = False
         self._partition_errors: dict[str, torch.Tensor] = {}
-        self._holders_mask: tuple[int, torch.Tensor | None] | None = None
+        self._holders_mask: tuple[tuple, torch.Tensor | None] | None = None
 
     # -- group and phase ---------------------------------------------------------------------
 
@@ -253,24 +253,25 @@ class OneBitOptimizer(torch.optim.Optimizer):
 
     def _holders(self, count: int, device: Any) -> torch.Tensor | None:
         """``[world, count]`` bools: which ranks of the group hold (a copy of) each parameter this rank has pieces
-        of; ``None`` when the slices carry no replica group (every parameter is the whole group's). Built once."""
-        cached = self._holders_mask
-        if cached is not None and cached[0] == count:
-            return cached[1]
+        of; ``None`` when the slices carry no replica group (every parameter is the whole group's). Built once per set
+        of slices (a streamer may step pieces of them, carrying their attributes)."""
+        views = [view for group in self.param_groups for view in group["params"]]
+        key = (count, tuple(id(v) for v in views))
+        if self._holders_mask is not None and self._holders_mask[0] == key:
+            return self._holders_mask[1]
         mask = None
         ranks = list(range(self.world_size)) if self.group is None else \
             list(torch.distributed.get_process_group_ranks(self.group))
-        for group in self.param_groups:
-            for view in group["params"]:
-                rg = replica_group(view)
-                if rg is None:
-                    continue
-                if mask is None:
-                    mask = torch.ones(self.world_size, count, dtype=torch.bool, device=device)
-                held = torch.tensor([r in rg.ranks for r in ranks], dtype=torch.bool, device=device)
-                for index, _, _ in getattr(view, "partition_pieces", (0, ()))[1]:
-                    mask[:, index] = held
-        self._holders_mask = (count, mask)
+        for view in views:
+            rg = replica_group(view)
+            if rg is None:
+                continue
+            if mask is None:
+                mask = torch.ones(self.world_size, count, dtype=torch.bool, device=device)
+            held = torch.tensor([r in rg.ranks for r in ranks], dtype=torch.bool, device=device)
+            for index, _, _ in getattr(view, "partition_pieces", (0, ()))[1]:
+                mask[:, index] = held
+        self._holders_mask = (key, mask)
         return mask
 
     def partition_error(self, key: Any, numel: int, device: Any = None) -> torch.Tensor:
