@@ -25,7 +25,8 @@ FEATURES = (
 ZERO_FEATURES = ("zero-1", "zero-2", "zero-3", "offload-cpu", "offload-nvme")
 """The ZeRO features a 1-bit optimizer steps through: ZeRO takes the comm plugin's compressed reduce-scatter
 (the GradientCompression capability) and steps the same optimizer on its partitions (1-bit LAMB sums its
-whole-parameter norms over the group from the slices' ``partition_pieces``)."""
+whole-parameter norms over the group from the slices' ``partition_pieces``). With MoE as well, the exchange and
+LAMB's sums of an expert run over its replica group (no refusal: the triple works)."""
 
 LOCAL_STEPS_WITH_ZERO = refuse_pairs(
     ("zero-one-adam",), ZERO_FEATURES,

@@ -6,7 +6,8 @@ the text a user reads at ``initialize()`` is the text the matrix shows. Lifting 
 its constant here together with the code that raises it (MoE with pipeline or tensor parallelism and
 MoE with ZeRO-3 were lifted: expert groups are cut inside each data-parallel group, and ZeRO-3 partitions
 an expert over its expert-data-parallel group; MoE with bf16 and fp32 gradient accumulation too: experts
-are reduced in the fp32 buffer mixed precision names through ``LossScaling.accumulated_grad``).
+are reduced in the fp32 buffer mixed precision names through ``LossScaling.accumulated_grad``; and the 1-bit
+optimizers with MoE, with or without ZeRO: their compressed exchanges run per replica group).
 """
 
 from __future__ import annotations
