@@ -78,7 +78,7 @@ class GradientReducer:
         self.ready: dict[int, int] = {}
         self.launched: set[int] = set()
         self.pending: deque[tuple[Segment, tuple, Any]] = deque()
-        self.on_reduced: Any = None  # stage 3: release a segment's parameters once its gradients left
+        self.on_reduced: Any = None  # stage 3: release a segment's parameters once its gradients are staged
         self.by_param: dict[int, Segment] = {id(p): s for s in segments for p in s.params}
 
     # -- autograd hook entry -----------------------------------------------------------------
@@ -106,6 +106,8 @@ class GradientReducer:
                 wire = pooled.copy_(wire)
         else:
             wire, pooled = self._stage(seg)
+            if self.on_reduced is not None:  # the reduction reads the staged gradients, not the parameters
+                self.on_reduced(seg)
         if self.scaling.pre != 1.0:
             wire.mul_(self.scaling.pre)
         collective = self.collectives[id(seg.group)]
@@ -162,8 +164,6 @@ class GradientReducer:
                     acc.add_(row, alpha=post)
         self.pool.put(out)
         self.pool.put(pooled)
-        if self.on_reduced is not None and self.stage != 1:
-            self.on_reduced(seg)
 
     # -- end of backward / boundary ----------------------------------------------------------
 

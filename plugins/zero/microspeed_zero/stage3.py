@@ -13,8 +13,8 @@ placeholder (``p.ds_shape`` / ``p.ds_numel`` give its real shape); the rank keep
   recorded order shows the segment used again within ``stage3_max_reuse_distance`` elements.
 * **Backward**: a hook on the module's outputs gathers the segments again (prefetching in
   reverse order) before autograd runs the module's backward. When all of a segment's gradients
-  are accumulated, the reducer reduces them into the gradient partition and the segment is
-  released.
+  are accumulated, the reducer stages them for reduction into the gradient partition and the
+  segment is released (the reduction reads the staged copy, not the parameters).
 
 * **Across passes**: when the next compute pass is known — a schedule announces it through the core's
   ``next_pass`` notification (a pipeline: the backward of a micro-batch, the next micro-batch's forward,
@@ -559,7 +559,7 @@ class ParameterPartitioner:
         self.plan, self._upcoming = None, None
 
     def after_reduced(self, seg: Segment) -> None:
-        """A segment's gradients left for reduction: its parameters are not needed in this backward (kept when
+        """A segment's gradients were staged for reduction: its parameters are not needed in this backward (kept when
         the next pass uses them soon)."""
         self.busy.discard(seg.index)
         if not self._reused_soon(seg.index):
