@@ -82,6 +82,7 @@ def test_a_failing_writer_never_publishes_and_the_error_names_the_file(tmp_path,
     engine = _engine(0, writer={"decoupled": True})  # DeepSpeed's spelling of an asynchronous save
     _train(engine, 0, 1)
     engine.save_checkpoint(str(tmp_path), tag="good")
+    engine.wait_for_checkpoint()
     import microspeed.checkpoint.saving as saving
 
     def broken(tmp, rank, buffer, layout, rng=None):
@@ -154,10 +155,10 @@ def _two_ranks(root: str) -> dict:
     real = saving.write_rank_file
     if rank == 1:
         def broken(tmp, r, buffer, layout, rng=None):
+            saving.write_rank_file = real  # fails once
             raise OSError(5, "Input/output error")
         saving.write_rank_file = broken
     _train(engine, 5, 1)  # step 6 saves; rank 1's write fails in the background
-    saving.write_rank_file = real
     error = None
     try:
         _train(engine, 6, 2)  # step 8's save sees step 6's failure, on every rank

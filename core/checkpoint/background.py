@@ -12,6 +12,7 @@ thread runs no collective, so it never interleaves with the training's.
 from __future__ import annotations
 
 import atexit
+import queue
 import sys
 import threading
 import weakref
@@ -31,39 +32,50 @@ class Saver:
     def __init__(self) -> None:
         self.staging = Staging()
         self.thread: threading.Thread | None = None
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending: threading.Event | None = None
         self.error: str | None = None
         self.path: str | None = None
         self.plan: tuple[list[int], set[tuple[str, tuple[int, ...]]]] | None = None  # items' fingerprints, mine
 
-    def start(self, write: Callable[[], None], what: str, on_error: Callable[[str], None] | None = None) -> None:
-        """Run ``write`` in a new (non-daemon) thread; ``what`` names the save in errors."""
-        self.wait_quietly()
+    def start(self, write: Callable[[], None], what: str) -> None:
+        """Hand ``write`` to this saver's writer thread and return at once; ``what`` names the save in errors.
 
-        def run() -> None:
+        The thread is made once and reused (no thread start per save, which would make the caller wait
+        for the new thread to be scheduled); it is a daemon, and :func:`_wait_all_at_exit` waits for its
+        work when the interpreter exits.
+        """
+        self.wait_quietly()
+        done = threading.Event()
+        self.pending = done
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(target=self._work, name="microspeed-checkpoint-writer", daemon=True)
+            self.thread.start()
+        self.jobs.put((write, what, done))
+
+    def _work(self) -> None:
+        while True:
+            write, what, done = self.jobs.get()
             try:
                 write()
             except BaseException as exc:  # noqa: BLE001 - reported at the next wait
                 path = getattr(exc, "path", None) or what
-                message = f"{path}: {type(exc).__name__}: {exc}"
-                self.error, self.path = message, path
-                if on_error is not None:
-                    on_error(message)
-
-        self.thread = threading.Thread(target=run, name="microspeed-checkpoint-writer", daemon=False)
-        self.thread.start()
+                self.error, self.path = f"{path}: {type(exc).__name__}: {exc}", path
+            finally:
+                done.set()
 
     def busy(self) -> bool:
         """Whether a background save is still writing."""
-        return self.thread is not None and self.thread.is_alive()
+        return self.pending is not None and not self.pending.is_set()
 
     def wait_quietly(self) -> str | None:
         """Wait for the save in flight; return its error message (and forget it), or ``None``."""
         return self._join()[0]
 
     def _join(self) -> tuple[str | None, str | None]:
-        if self.thread is not None:
-            self.thread.join()
-            self.thread = None
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
         found = (self.error, self.path)
         self.error = self.path = None
         return found
@@ -91,7 +103,10 @@ def pending(engine: Any) -> Saver | None:
 
 @atexit.register
 def _wait_all_at_exit() -> None:
-    """At interpreter exit: finish every save in flight, and say on stderr if one failed."""
+    """At interpreter exit (writer threads are daemons, still alive here): finish every save in flight.
+
+    A failed one is reported on stderr.
+    """
     for saver in list(_ALL):
         error = saver.wait_quietly()
         if error is not None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import threading
 import time
 import zlib
 from collections.abc import Iterable
@@ -236,11 +237,20 @@ def write_rank_file(tmp: str, rank: int, buffer: torch.Tensor, layout: Layout, r
     """
     raw = buffer[:layout.nbytes].numpy()
     view = memoryview(raw).cast("B") if layout.nbytes else memoryview(b"")
-    crcs = [zlib.crc32(view[at:at + item.nbytes]) for item, at in layout.entries]
-    plan = SavePlan(items=[WriteItem(index=MetadataIndex("microspeed/rank_blob"), type=WriteItemType.BYTE_IO)],
-                    storage_data=_Prefix(f"__{rank}_"))
-    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
-    writer.write_data(plan, _OneBlob(view)).wait()  # type: ignore[arg-type]
+    crcs: list[int] = []
+    # the checksums are computed beside the write (zlib and the file write both release the GIL)
+    summing = threading.Thread(target=lambda: crcs.extend(zlib.crc32(view[at:at + item.nbytes])
+                                                          for item, at in layout.entries), daemon=True)
+    summing.start()
+    try:
+        plan = SavePlan(items=[WriteItem(index=MetadataIndex("microspeed/rank_blob"), type=WriteItemType.BYTE_IO)],
+                        storage_data=_Prefix(f"__{rank}_"))
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+        writer.write_data(plan, _OneBlob(view)).wait()  # type: ignore[arg-type]
+    finally:
+        summing.join()
+    if len(crcs) != len(layout.entries):
+        raise CheckpointError(f"{os.path.join(tmp, data_file(rank))}: computing the checksums failed.", tmp)
     path = os.path.join(tmp, data_file(rank))
     if os.path.getsize(path) != layout.nbytes:
         raise CheckpointError(f"{path}: wrote {os.path.getsize(path)} bytes, expected {layout.nbytes}.", path)
