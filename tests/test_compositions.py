@@ -246,6 +246,9 @@ SINGLE_PROCESS_PAIRS = [
         "stage": 1, "offload_optimizer": {"device": "cpu"}}}),
     (("onebit-adam", "offload-nvme"), None, {"optimizer": ONEBIT, "zero_optimization": {
         "stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": NVME}}}),
+    (("zero-one-adam", "offload-nvme"), None, {"optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}},
+                                               "zero_optimization": {"stage": 1, "offload_optimizer": {
+                                                   "device": "nvme", "nvme_path": NVME}}}),
     (("moe", "bf16"), _moe_model, {"optimizer": ADAM, "bf16": {"enabled": True},
                                    "data_types": {"grad_accum_dtype": "fp32"}}),
 ]
