@@ -121,8 +121,6 @@ NO_EFFECT: dict[str, str] = {
              "your script",
     "memory_breakdown": "microspeed does not print per-phase memory; the trace (\"trace\": {\"enabled\": true}) "
                         "records it",
-    "checkpoint": "checkpoints are written through torch.distributed.checkpoint: writes are always split across "
-                  "ranks, tags always checked across ranks, and any world size loads without conversion",
     "dump_state": "microspeed does not print the engine state at start-up; print(engine.config.to_dict())",
     "disable_allgather": "a legacy DeepSpeed switch that microspeed's reduction never reads",
     "disable_python_gc": "microspeed leaves Python's garbage collector as it is",
