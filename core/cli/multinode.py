@@ -19,7 +19,9 @@ Launchers (``--launcher``; default pdsh where installed, else ssh, as "ssh or pd
 
 Before ssh/pdsh launches, every host is checked with ``ssh -o BatchMode=yes -o ConnectTimeout=5 HOST true``; a
 host that does not answer is an error naming it. :class:`NodeCommand` builds one node's argv; its ``rendezvous``
-and ``max_restarts`` fields give the elastic form (``--nnodes MIN:MAX --rdzv-backend c10d``).
+and ``max_restarts`` fields give the elastic form (``--nnodes MIN:MAX --rdzv-backend c10d``), which ``--elastic
+MIN:MAX [--max_restarts N]`` selects (:mod:`microspeed.cli.elastic`): every host joins one c10d rendezvous at
+``--master_addr:--master_port`` with the launch's job id, and a node that fails no longer stops the others.
 """
 
 from __future__ import annotations
@@ -326,11 +328,17 @@ def _describe_node_failure(node: _Node, code: int) -> str:
     return "\n".join(lines)
 
 
-def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S) -> int:
-    """Start every node, wait; when one fails, stop the others and print a report naming the host; the exit status."""
+def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S, elastic: bool = False) -> int:
+    """Start every node, wait; when one fails, stop the others and print a report naming the host; the exit status.
+
+    ``elastic`` (``--elastic``): a failing node is reported and the others keep running (their torchrun agents
+    restart the workers at the smaller size); the status is 0 when a node finished the job (exited 0), else the
+    first failure's.
+    """
     nodes = [_Node(rank, host, argv) for rank, (host, argv) in enumerate(argvs.items())]
     failed: tuple[_Node, int] | None = None
     interrupted: int | None = None
+    lost: list[tuple[_Node, int]] = []
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal interrupted
@@ -342,7 +350,17 @@ def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S)
         while failed is None and interrupted is None:
             codes = [n.proc.poll() for n in nodes]
             bad = [(n, c) for n, c in zip(nodes, codes, strict=True) if c not in (None, 0)]
-            if bad:
+            if elastic:
+                for n, c in bad:
+                    if all(n is not m for m, _ in lost):
+                        lost.append((n, c))
+                        print(f"microspeed run: node {n.rank} ({n.host}) ended with exit code {c}; the other nodes "
+                              f"continue (elastic)", file=sys.stderr, flush=True)
+                if all(c is not None for c in codes):
+                    if not any(c == 0 for c in codes):
+                        failed = lost[0]
+                    break
+            elif bad:
                 failed = bad[0]
                 break
             if all(c == 0 for c in codes):
@@ -374,8 +392,10 @@ def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S)
         node, code = failed
         others = [f"node {n.rank} ({n.host})" for n in nodes if n is not node]
         text = _describe_node_failure(node, code)
-        if others:
+        if others and not elastic:
             text += f"\nmicrospeed run: stopped the other node(s): {', '.join(others)}"
+        elif elastic:
+            text += "\nmicrospeed run: no node finished the job (elastic)"
         print(text, file=sys.stderr, flush=True)
         return code if 0 < code < 255 else 1
     return 0
@@ -449,6 +469,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh_port", "--ssh-port", type=int, default=None)
     p.add_argument("--no_ssh_check", "--no-ssh-check", action="store_true")
     p.add_argument("--force_multi", "--force-multi", action="store_true")
+    p.add_argument("--elastic", default=None)
     return p
 
 
@@ -468,6 +489,13 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
         raise HostfileError("give the training script to launch (microspeed run --hostfile FILE [options] script.py)")
     pool = read_hostfile(opts.hostfile)
     hosts = select_resources(pool, opts.include, opts.exclude, opts.num_nodes, opts.num_gpus, source=opts.hostfile)
+    elastic = None
+    if opts.elastic is not None:
+        from microspeed.cli.elastic import DEFAULT_MAX_RESTARTS, ElasticSpec, parse_nodes, parse_restarts, take_option
+
+        low, high = parse_nodes(opts.elastic, node_limit=len(hosts))
+        restarts = take_option(passthrough, ("--max_restarts", "--max-restarts"))
+        elastic = ElasticSpec(low, high, DEFAULT_MAX_RESTARTS if restarts is None else parse_restarts(restarts))
     cwd = os.path.abspath(cwd or os.getcwd())
     launcher = opts.launcher or ("pdsh" if shutil.which("pdsh") else "ssh")
     launcher_args = shlex.split(opts.launcher_args)
@@ -479,6 +507,8 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
         host, slots = next(iter(hosts.items()))
         local = [*run_flags, "--nproc-per-node", str(len(slots)), "--master-port", str(opts.master_port),
                  *torchrun_args, *script]
+        if elastic is not None:
+            local = ["--elastic", elastic.nnodes, "--max-restarts", str(elastic.max_restarts), *local]
         result.update(launcher="local", argv=local, env=environ)
         if slots != list(range(len(slots))):
             result["env"] = {**environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
@@ -496,7 +526,10 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
                        script=script, torchrun_args=torchrun_args, run_flags=run_flags,
                        stop_with_stdin=launcher == "ssh",
                        pid_file=f"/tmp/microspeed-run-{job}.pid" if launcher == "pdsh" else None)
-    result["node"] = node
+    if elastic is not None:  # one c10d rendezvous on node 0's address; no node ranks
+        node.nnodes, node.rendezvous, node.rdzv_id, node.max_restarts = elastic.nnodes, "c10d", job, \
+            elastic.max_restarts
+    result["node"], result["elastic"] = node, elastic
     if launcher == "ssh":
         result["argvs"] = ssh_argvs(hosts, node, cwd, exports, launcher_args, opts.ssh_port)
     elif launcher == "pdsh":
@@ -512,11 +545,13 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
 
 def main(args: Sequence[str]) -> int:
     """``microspeed run --hostfile FILE [options] script.py [args]``; returns the exit status."""
+    from microspeed.cli.elastic import ElasticError
+
     try:
         launch = plan(args)
-    except (HostfileError, LaunchError) as exc:
+    except (HostfileError, ElasticError, LaunchError) as exc:
         print(f"microspeed run: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, HostfileError) else 1
+        return 1 if isinstance(exc, LaunchError) else 2
     launcher = launch["launcher"]
     if launcher == "local":
         print(f"microspeed run: one host selected ({next(iter(launch['hosts']))}): running here without ssh "
@@ -534,5 +569,5 @@ def main(args: Sequence[str]) -> int:
     print(f"microspeed run: {launcher} launch on {len(launch['hosts'])} nodes: {hosts}; master "
           f"{launch['node'].master_addr}:{launch['node'].master_port}", file=sys.stderr, flush=True)
     if launcher == "ssh":
-        return run_ssh_nodes(launch["argvs"])
+        return run_ssh_nodes(launch["argvs"], elastic=launch["elastic"] is not None)
     return run_one(launch["argv"], launch["env"], launch.get("kill_argv"))

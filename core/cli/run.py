@@ -28,6 +28,12 @@ works; the script's own arguments follow it, untouched.
 microspeed's options (before the script):
   --as-deepspeed        `import deepspeed` in the launched processes gets microspeed's stand-in (its
                         folder goes first on their PYTHONPATH), even where real DeepSpeed is installed
+  --elastic MIN:MAX     elastic job of MIN to MAX nodes: torchrun's --nnodes MIN:MAX with a c10d rendezvous
+                        at --rdzv-endpoint (default --master-addr:--master-port, 127.0.0.1:29400) and
+                        --rdzv-id (default $MICROSPEED_JOB_ID, $SLURM_JOB_ID, or a hash of this folder and the
+                        script line): agents started with the same endpoint and id form one job; a lost node
+                        restarts the workers on the survivors (checkpoint.auto_resume_dir resumes them)
+  --max_restarts N      with --elastic: restarts after failures (default 3; alias --max-restarts)
   -h, --help            show this help and exit
 
 Failures: when a rank raises, the console gets that rank's error once (last frames and message) and one
@@ -63,11 +69,14 @@ variables and the KEY=VALUE lines of ~/.deepspeed_env, ./.deepspeed_env, ./.micr
   --launcher L          ssh, pdsh (the default where installed, else ssh) or slurm (srun)
   --launcher_args "..." options for ssh (-F config, -i key), pdsh or srun   --ssh_port P
   --no_ssh_check        skip the check that every host answers `ssh -o BatchMode=yes HOST true`
+  --elastic MIN:MAX     every host joins one c10d rendezvous at --master_addr:--master_port (MAX at most the
+                        hosts selected); a failing node no longer stops the others
 When a node fails, the others are stopped and the report names the host.
 
 examples:
   microspeed run --nproc-per-node 2 train.py --deepspeed_config ds_config.json
   microspeed run --hostfile hostfile --num_gpus 8 train.py --deepspeed_config ds_config.json
+  microspeed run --elastic 1:2 --max_restarts 5 --nproc-per-node 2 train.py --deepspeed_config ds_config.json
 """
 
 #: torchrun options (long spelling) that HELP describes; a test checks each exists in torchrun's parser.
@@ -180,6 +189,15 @@ def main(argv: Sequence[str]) -> int:
                 return 2
             rest = os.environ.get("PYTHONPATH")
             os.environ["PYTHONPATH"] = folder + (os.pathsep + rest if rest else "")
+    from microspeed.cli.elastic import ElasticError, local_args, take_elastic
+
+    try:
+        elastic = take_elastic(args)
+        if elastic is not None:
+            args = local_args(args, elastic)
+    except ElasticError as exc:
+        print(f"microspeed run: error: {exc}", file=sys.stderr)
+        return 2
     if not any(a.startswith("--nproc") for a in _launcher_part(args)):
         args = ["--nproc-per-node", "1", *args]
     return launch(args)

@@ -1,0 +1,185 @@
+"""``microspeed run --elastic MIN:MAX [--max_restarts N]``: the torchrun lines it builds, locally and per host, and
+its errors (no process is launched here)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+
+import pytest
+
+from microspeed.cli import elastic, multinode
+from microspeed.cli import run as run_cli
+from microspeed.errors import ConfigError
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """``microspeed run``'s local path with torchrun replaced: the argument list it would have been given."""
+    seen: list[list[str]] = []
+    monkeypatch.setattr(run_cli, "launch", lambda args: seen.append(list(args)) or 0)
+    monkeypatch.delenv("MICROSPEED_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    return seen
+
+
+def _value(argv, option):
+    return argv[argv.index(option) + 1]
+
+
+def test_local_elastic_becomes_torchruns_c10d_form(launched):
+    assert run_cli.main(["--elastic", "1:2", "--max_restarts", "5", "--nproc-per-node", "2", "train.py", "--x",
+                         "1"]) == 0
+    (args,) = launched
+    job = elastic.default_job_id(["train.py", "--x", "1"])
+    assert args == ["--nnodes", "1:2", "--max-restarts", "5", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    "127.0.0.1:29400", "--rdzv-id", job, "--nproc-per-node", "2", "train.py", "--x", "1"]
+    # every torchrun option we set parses as torchrun parses it
+    from torch.distributed import run as torchrun
+
+    opts = torchrun.get_args_parser().parse_args(args)
+    assert (opts.nnodes, opts.max_restarts, opts.rdzv_backend, opts.rdzv_endpoint, opts.rdzv_id) == (
+        "1:2", 5, "c10d", "127.0.0.1:29400", job)
+    assert opts.training_script == "train.py" and opts.training_script_args == ["--x", "1"]
+
+
+def test_local_elastic_defaults_and_given_rendezvous(launched, monkeypatch):
+    run_cli.main(["--elastic=2:4", "--max-restarts=0", "--master-addr", "10.1.1.1", "--master-port", "7000",
+                  "-m", "pkg.train"])
+    run_cli.main(["--elastic", "1:1", "--rdzv-endpoint", "h:9", "--rdzv-id", "mine", "t.py"])
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    run_cli.main(["--elastic", "1:3", "t.py"])
+    a, b, c = launched
+    assert _value(a, "--nnodes") == "2:4" and _value(a, "--max-restarts") == "0"
+    assert _value(a, "--rdzv-endpoint") == "10.1.1.1:7000" and "--master-addr" not in a and "--master-port" not in a
+    assert a[-2:] == ["-m", "pkg.train"]
+    assert _value(b, "--rdzv-endpoint") == "h:9" and _value(b, "--rdzv-id") == "mine" and b.count("--rdzv-id") == 1
+    assert _value(c, "--max-restarts") == str(elastic.DEFAULT_MAX_RESTARTS) and _value(c, "--rdzv-id") == "4242"
+    assert c[:2] == ["--nproc-per-node", "1"] and c[-1] == "t.py"
+
+
+def test_same_command_same_folder_same_job_id(tmp_path):
+    env = {}
+    one = elastic.default_job_id(["t.py", "--a"], str(tmp_path), env)
+    assert one == elastic.default_job_id(["t.py", "--a"], str(tmp_path), env)
+    assert one != elastic.default_job_id(["t.py", "--b"], str(tmp_path), env)
+    assert one != elastic.default_job_id(["t.py", "--a"], str(tmp_path / "x"), env)
+    assert elastic.default_job_id(["t.py"], str(tmp_path), {"MICROSPEED_JOB_ID": "j1", "SLURM_JOB_ID": "9"}) == "j1"
+
+
+def test_without_elastic_max_restarts_goes_to_torchrun_unchanged(launched):
+    run_cli.main(["--max_restarts", "2", "t.py"])
+    assert launched == [["--nproc-per-node", "1", "--max_restarts", "2", "t.py"]]
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("2:1", r"MIN \(2\) is larger than MAX \(1\)"),
+    ("a:b", "expected MIN:MAX, two whole numbers"),
+    ("1.5:2", "expected MIN:MAX"),
+    ("2", "expected MIN:MAX"),
+    ("0:2", "MIN must be at least 1"),
+])
+def test_bad_min_max_is_a_clear_error(launched, capsys, spec, needle):
+    assert run_cli.main(["--elastic", spec, "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert "microspeed run: error: --elastic" in err and re.search(needle, err), err
+    assert not launched
+    with pytest.raises(ConfigError, match=needle):
+        elastic.parse_nodes(spec)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--elastic", "1:2", "--max_restarts", "-1"], "--max_restarts '-1': expected a whole number >= 0"),
+    (["--elastic", "1:2", "--nnodes", "2"], "--nnodes: --elastic sets it"),
+    (["--elastic", "1:2", "--standalone"], "--standalone: --elastic sets it"),
+    (["--elastic", "1:2", "--rdzv-endpoint", "h:1", "--master-port", "3"], "both name the rendezvous"),
+])
+def test_bad_elastic_arguments(launched, capsys, args, needle):
+    assert run_cli.main([*args, "t.py"]) == 2
+    assert needle in capsys.readouterr().err and not launched
+
+
+# ---------------------------------------------------------------------------------------- with a hostfile
+
+
+def _plan(tmp_path, *args, text="n0 slots=2\nn1 slots=2\n"):
+    hf = tmp_path / "hostfile"
+    hf.write_text(text)
+    return multinode.plan(["--hostfile", str(hf), *args, "train.py", "--lr", "1"], cwd=str(tmp_path),
+                          environ={"HOME": str(tmp_path / "h")}, check=False)
+
+
+def _node_argv(ssh_argv):
+    words = shlex.split(ssh_argv[-1])
+    return words[words.index(sys.executable):]
+
+
+def test_every_host_joins_the_same_c10d_rendezvous(tmp_path):
+    p = _plan(tmp_path, "--launcher", "ssh", "--master_addr", "10.0.0.1", "--master_port", "4321", "--elastic",
+              "1:2", "--max_restarts", "4")
+    node = p["node"]
+    assert (node.rendezvous, node.nnodes, node.max_restarts) == ("c10d", "1:2", 4) and node.rdzv_id
+    cmds = [_node_argv(a) for a in p["argvs"].values()]
+    assert cmds[0] == cmds[1]  # no node rank: the rendezvous assigns them
+    assert cmds[0] == [sys.executable, "-u", "-m", "microspeed.cli", "run", "--exit-with-stdin", "--nnodes", "1:2",
+                       "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:4321",
+                       "--rdzv-id", node.rdzv_id, "--max-restarts", "4", "train.py", "--lr", "1"]
+    assert p["elastic"] == elastic.ElasticSpec(1, 2, 4)
+
+
+def test_elastic_slurm_and_pdsh_lines_use_the_rendezvous(tmp_path):
+    srun = _plan(tmp_path, "--launcher", "slurm", "--elastic", "2:2")["argv"][-1]
+    pdsh = _plan(tmp_path, "--launcher", "pdsh", "--master_addr", "m", "--elastic", "1:2")["argv"][-1]
+    for line in (srun, pdsh):
+        assert "--rdzv-backend c10d" in line and "--node-rank" not in line
+        assert f"--max-restarts {elastic.DEFAULT_MAX_RESTARTS} " in line
+    assert "--nnodes 2:2" in srun and "--rdzv-endpoint n0:29500" in srun and "--nnodes 1:2" in pdsh
+
+
+def test_elastic_max_above_the_hostfile_is_refused(tmp_path):
+    with pytest.raises(elastic.ElasticError, match=r"MAX \(3\) is more than the 2 node\(s\) the hostfile selects"):
+        _plan(tmp_path, "--launcher", "ssh", "--master_addr", "m", "--elastic", "1:3")
+    with pytest.raises(elastic.ElasticError, match=r"MAX \(2\) is more than the 1 node"):
+        _plan(tmp_path, "--num_nodes", "1", "--elastic", "1:2")
+    with pytest.raises(elastic.ElasticError, match="is larger than MAX"):
+        _plan(tmp_path, "--elastic", "2:1")
+
+
+def test_elastic_on_one_selected_host_runs_the_local_elastic_form(tmp_path):
+    p = _plan(tmp_path, "--include", "n1", "--elastic", "1:1", "--max-restarts", "2")
+    assert p["launcher"] == "local"
+    assert p["argv"][:4] == ["--elastic", "1:1", "--max-restarts", "2"]
+    args = elastic.local_args(p["argv"][4:], elastic.ElasticSpec(1, 1, 2), str(tmp_path), {})
+    assert _value(args, "--rdzv-endpoint") == "127.0.0.1:29500" and _value(args, "--nnodes") == "1:1"
+
+
+def test_bad_elastic_from_the_hostfile_command_line(tmp_path, capsys):
+    (tmp_path / "hostfile").write_text("a slots=1\nb slots=1\n")
+    code = multinode.main(["--hostfile", str(tmp_path / "hostfile"), "--no_ssh_check", "--master_addr", "m",
+                           "--elastic", "1:5", "t.py"])
+    assert code == 2 and "microspeed run: error: --elastic 1:5: MAX (5) is more than the 2" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- the ssh watcher
+
+_FAILS = "import sys, time; time.sleep(0.3); sys.exit(3)"
+_WORKS = "import time; time.sleep(1.5); print('done', flush=True)"
+
+
+@pytest.mark.timeout(60)
+def test_elastic_watcher_keeps_the_others_running(capsys):
+    """A node that fails does not stop the others; the job succeeds when a surviving node finishes it."""
+    code = multinode.run_ssh_nodes({"a": [sys.executable, "-c", _FAILS], "b": [sys.executable, "-c", _WORKS]},
+                                   elastic=True)
+    out = capsys.readouterr()
+    assert code == 0, out
+    assert "node 0 (a) ended with exit code 3; the other nodes continue (elastic)" in out.err and "b: done" in out.out
+
+
+@pytest.mark.timeout(60)
+def test_elastic_watcher_fails_when_every_node_failed(capsys):
+    code = multinode.run_ssh_nodes({"a": [sys.executable, "-c", _FAILS], "b": [sys.executable, "-c", _FAILS]},
+                                   elastic=True)
+    err = capsys.readouterr().err
+    assert code == 3 and "no node finished the job (elastic)" in err and "stopped the other" not in err
