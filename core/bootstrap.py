@@ -112,6 +112,7 @@ def initialize(
 
     _agreed(optimize)
     engine.grad_norm.prepare()
+    pm.hook.microspeed_initialized(engine=engine)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -264,6 +264,16 @@ def microspeed_make_dataloader(engine: Engine, dataset: Any, collate_fn: Any) ->
     """Who turns ``training_data`` into the training data loader."""
 
 
+@hookspec
+def microspeed_initialized(engine: Engine) -> None:
+    """Notification: the engine is complete (module, optimizer, scheduler, data loader), the last step of
+    ``initialize()``; a plugin may restore state here (the built-in ``checkpointing``: ``checkpoint.auto_resume_dir``).
+
+    No agreement collective follows it: an implementation that can fail on some ranks only agrees on the outcome
+    itself (all-gathers its error) before returning, so no rank is left waiting in a later collective.
+    """
+
+
 # ---------------------------------------------------------------------------------- micro-step
 
 

@@ -8,6 +8,10 @@
   the end of the process wait for it.
 - ``save_dir`` and ``save_interval_steps``: the engine saves itself into ``save_dir`` (tag
   ``global_step<N>``) every ``save_interval_steps`` optimizer steps.
+- ``auto_resume_dir`` (microspeed's own key; DeepSpeed has none): the last step of ``initialize()`` loads the
+  newest complete checkpoint of that folder, if there is one (:mod:`microspeed.checkpoint.resume`); with
+  ``save_interval_steps`` and the ``elasticity`` section, a job torchrun restarts at another world size continues
+  with the same global batch. ``engine.resumed_from`` / ``engine.resumed_client_state`` say what was loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ _SECTION = Section({
     "save_dir": Field((str, type(None)), None, "folder the engine saves into every save_interval_steps"),
     "save_interval_steps": Field((int, type(None)), None, "save into save_dir every this many optimizer steps "
                                  "(tag global_step<N>)", positive),
+    "auto_resume_dir": Field((str, type(None)), None, "microspeed's own: initialize() ends by loading the newest "
+                             "complete checkpoint of this folder, if any (engine.resumed_from, "
+                             "engine.resumed_client_state); restarted elastic jobs continue"),
     "writer": Section({
         "decoupled": Field((bool,), False, "DeepSpeed's name for an asynchronous save (the same as async_save)"),
     }, doc="DeepSpeed's checkpoint writer settings", notices={
@@ -63,12 +70,22 @@ class CheckpointingPlugin:
         if every and engine.global_steps % every == 0:
             engine.save_checkpoint(section["save_dir"])
 
+    @hookimpl
+    def microspeed_initialized(self, engine: Any) -> None:
+        """``checkpoint.auto_resume_dir``: load the newest complete checkpoint of that folder, if any."""
+        folder = engine.config["checkpoint"]["auto_resume_dir"]
+        if folder:
+            from microspeed.checkpoint.resume import auto_resume
+
+            auto_resume(engine, folder)
+
     @hookimpl(trylast=True)
     def microspeed_engine_api(self, engine: Any) -> dict[str, Any]:
-        """``engine.wait_for_checkpoint()``: finish this rank's asynchronous save in flight, raising its error."""
+        """``engine.wait_for_checkpoint()``: finish this rank's asynchronous save in flight, raising its error;
+        ``engine.resumed_from`` / ``engine.resumed_client_state``: ``None`` until ``auto_resume_dir`` loads one."""
         from microspeed.checkpoint.saving import wait
 
-        return {"wait_for_checkpoint": lambda: wait(engine)}
+        return {"wait_for_checkpoint": lambda: wait(engine), "resumed_from": None, "resumed_client_state": None}
 
     @hookimpl(trylast=True)
     def microspeed_save_checkpoint(self, engine: Any, save_dir: str, tag: str | None, client_state: dict | None,

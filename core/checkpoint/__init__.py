@@ -72,7 +72,9 @@ reads), :mod:`~microspeed.checkpoint.background` (the asynchronous writer),
 :mod:`~microspeed.checkpoint.reader` (:class:`Reader`), :mod:`~microspeed.checkpoint.saving` and
 :mod:`~microspeed.checkpoint.loading` (the engine-level entry points and the default optimizer-state
 parts), :mod:`~microspeed.checkpoint.names` (FQNs, tied aliases), :mod:`~microspeed.checkpoint.rng`,
-:mod:`~microspeed.checkpoint.manifest` (the msgpack half), :mod:`~microspeed.checkpoint.errors`;
+:mod:`~microspeed.checkpoint.manifest` (the msgpack half), :mod:`~microspeed.checkpoint.errors`,
+:mod:`~microspeed.checkpoint.resume` (``checkpoint.auto_resume_dir``: the newest complete save, loaded at the end
+of ``initialize()``);
 converters in :mod:`~microspeed.checkpoint.deepspeed_format`, :mod:`~microspeed.checkpoint.export` and
 :mod:`~microspeed.checkpoint.zero_to_fp32`. Every public name is importable from here.
 """
