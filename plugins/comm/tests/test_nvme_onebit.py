@@ -15,13 +15,14 @@ from __future__ import annotations
 import microspeed_comm
 import pytest
 import torch
+from test_onebit_zero import MICRO, _data, _mlp  # the same MLP and data as 1-bit x ZeRO in memory
 
 import microspeed
 from microspeed.testing import run_distributed
 
 pytest.importorskip("microspeed_zero")
 
-H, MICRO, STEPS, SAVE_AT = 32, 4, 5, 3
+STEPS, SAVE_AT = 5, 3
 SUB_GROUP = 200
 """Elements per NVMe sub-group: each rank's ~820-element partition streams in five, cutting parameters apart."""
 
@@ -30,18 +31,6 @@ OPTIMIZERS = {
     "ZeroOneAdam": {"lr": 1e-3, "var_freeze_step": 2, "var_update_scaler": 1, "local_step_clipper": 1},
     "OneBitLamb": {"lr": 1e-2, "freeze_step": 2, "weight_decay": 0.01},
 }
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, H), torch.nn.GELU(), torch.nn.Linear(H, H), torch.nn.GELU(),
-                               torch.nn.Linear(H, 1))
-
-
-def _data(world):
-    g = torch.Generator().manual_seed(1000)
-    x = torch.randn(MICRO * world, 16, generator=g)
-    return x, 2 * x[:, :1] - x[:, 1:2] + 0.1 * torch.randn(MICRO * world, 1, generator=g)
 
 
 def _config(opt, stage, device, path):
