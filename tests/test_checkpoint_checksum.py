@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_checkpoint_async import _train  # the same few steps of the same tiny model
 
 import microspeed
 from microspeed import checkpoint
@@ -27,25 +28,13 @@ def _engine(seed: int):
     return microspeed.initialize(model=model, config=cfg)[0]
 
 
-def _train(engine, steps: int) -> list[float]:
-    losses = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(2, 8, generator=g), torch.randn(2, 1, generator=g)
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
-
-
 def _params(engine) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
 def test_every_item_has_a_checksum_and_an_intact_checkpoint_loads(tmp_path):
     engine = _engine(0)
-    _train(engine, 2)
+    _train(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path), tag="t")
     manifest = checkpoint.read_manifest(str(tmp_path / "t"))
     files = manifest["tensor_files"]
@@ -62,7 +51,7 @@ def test_every_item_has_a_checksum_and_an_intact_checkpoint_loads(tmp_path):
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_damaged_shard_is_refused_naming_the_file(tmp_path, damage):
     engine = _engine(0)
-    _train(engine, 2)
+    _train(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path), tag="t")
     data = tmp_path / "t" / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
@@ -83,7 +72,7 @@ def test_a_damaged_shard_is_refused_naming_the_file(tmp_path, damage):
 def test_checkpoints_without_checksums_still_load(tmp_path):
     """The layout before checksums: DCP's per-tensor files and a manifest without ``tensor_files``."""
     engine = _engine(0)
-    _train(engine, 2)
+    _train(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path), tag="new")
     manifest = checkpoint.read_manifest(str(tmp_path / "new"))
     reader = checkpoint.Reader(str(tmp_path / "new"), checkpoint.read_tensor_index(str(tmp_path / "new")), manifest)
@@ -99,4 +88,4 @@ def test_checkpoints_without_checksums_still_load(tmp_path):
     other.load_checkpoint(str(tmp_path), tag="old")
     for a, b in zip(_params(engine), _params(other), strict=True):
         assert torch.equal(a, b)
-    assert _train(engine, 2) == _train(other, 2)
+    assert _train(engine, 0, 2) == _train(other, 0, 2)
