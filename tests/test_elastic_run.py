@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+import time
 
 import pytest
 
@@ -183,3 +184,64 @@ def test_elastic_watcher_fails_when_every_node_failed(capsys):
                                    elastic=True)
     err = capsys.readouterr().err
     assert code == 3 and "no node finished the job (elastic)" in err and "stopped the other" not in err
+
+
+def _once_then(tmp_path, first_code: int, then: str) -> str:
+    """A node command that exits ``first_code`` the first time it runs and runs ``then`` the next time."""
+    marker = tmp_path / "ran-once"
+    return (f"import pathlib, sys, time; m = pathlib.Path({str(marker)!r})\n"
+            f"if not m.exists():\n    m.touch(); time.sleep(0.2); sys.exit({first_code})\n{then}")
+
+
+@pytest.mark.timeout(60)
+def test_elastic_watcher_starts_a_lost_host_again_when_it_answers(tmp_path, capsys):
+    """A lost host whose ssh check passes again is started again (its agent would rejoin the rendezvous)."""
+    b = _once_then(tmp_path, 255, "print('back', flush=True)")
+    code = multinode.run_ssh_nodes({"a": [sys.executable, "-c", "import time; time.sleep(4)"],
+                                    "b": [sys.executable, "-c", b]}, elastic=True,
+                                   probes={"a": [sys.executable, "-c", "0"], "b": [sys.executable, "-c", "0"]},
+                                   rejoins=1, probe_interval_s=0.1)
+    out = capsys.readouterr()
+    assert code == 0, out
+    assert "node 1 (b) ended with exit code 255; the other nodes continue (elastic)" in out.err
+    assert "node 1 (b) answers again: starting it again to rejoin the job (elastic, 1 of 1)" in out.err
+    assert "b: back" in out.out
+
+
+@pytest.mark.timeout(60)
+def test_elastic_watcher_waits_while_a_lost_host_does_not_answer(tmp_path, capsys):
+    """No restart while the host's check fails, and at most ``rejoins`` restarts per host."""
+    b = _once_then(tmp_path, 3, "print('back', flush=True)")
+    code = multinode.run_ssh_nodes({"a": [sys.executable, "-c", "import time; time.sleep(2)"],
+                                    "b": [sys.executable, "-c", b]}, elastic=True,
+                                   probes={"b": [sys.executable, "-c", "import sys; sys.exit(255)"]},
+                                   rejoins=3, probe_interval_s=0.1)
+    out = capsys.readouterr()
+    assert code == 0 and "answers again" not in out.err and "back" not in out.out, out
+    code = multinode.run_ssh_nodes({"a": [sys.executable, "-c", "import time; time.sleep(2)"],
+                                    "b": [sys.executable, "-c", "import sys; sys.exit(3)"]}, elastic=True,
+                                   probes={"b": [sys.executable, "-c", "0"]}, rejoins=2, probe_interval_s=0.1)
+    err = capsys.readouterr().err
+    assert code == 0 and err.count("answers again") == 2 and "(elastic, 2 of 2)" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_elastic_watcher_stops_late_nodes_once_the_job_finished(capsys):
+    """A node still running (an agent that joined late waits in the rendezvous) is stopped after the grace time."""
+    start = time.monotonic()
+    code = multinode.run_ssh_nodes({"a": [sys.executable, "-c", "print('done')"],
+                                    "b": [sys.executable, "-c", "import time; time.sleep(60)"]},
+                                   grace_s=1.0, elastic=True)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "the job finished; stopping the node(s) still running: node 1 (b)" in err
+    assert time.monotonic() - start < 20
+
+
+def test_elastic_ssh_launch_has_keepalives_and_probes(tmp_path):
+    p = _plan(tmp_path, "--elastic", "1:2", "--launcher", "ssh", "--launcher_args", "-F cfg")
+    for host, argv in p["argvs"].items():
+        assert argv[:3] == ["ssh", "-F", "cfg"] and "ServerAliveInterval=2" in argv and "ServerAliveCountMax=5" in argv
+        assert p["probes"][host][:3] == ["ssh", "-F", "cfg"] and p["probes"][host][-2:] == [host, "true"]
+    plain = _plan(tmp_path, "--launcher", "ssh")
+    assert "probes" not in plain and not any("ServerAlive" in a for v in plain["argvs"].values() for a in v)

@@ -22,6 +22,15 @@ host that does not answer is an error naming it. :class:`NodeCommand` builds one
 and ``max_restarts`` fields give the elastic form (``--nnodes MIN:MAX --rdzv-backend c10d``), which ``--elastic
 MIN:MAX [--max_restarts N]`` selects (:mod:`microspeed.cli.elastic`): every host joins one c10d rendezvous at
 ``--master_addr:--master_port`` with the launch's job id, and a node that fails no longer stops the others.
+
+Elastic ssh launches also (see :func:`run_ssh_nodes`): run ssh with keep-alives (``ServerAliveInterval``
+:data:`ELASTIC_SSH_ALIVE_S` × ``ServerAliveCountMax`` :data:`ELASTIC_SSH_ALIVE_COUNT`), so a host whose link is cut
+counts as lost within about 10 s instead of at TCP's timeout; probe a lost host every :data:`REJOIN_PROBE_S`
+seconds with the ssh check and, when it answers again, start its node again (at most ``--max_restarts`` times per
+host): its agent joins the rendezvous and the running agents restart the job at the larger size, which resumes from
+the newest complete checkpoint (``checkpoint.auto_resume_dir``); and, once a node finished the job, stop the nodes
+still running after :data:`STOP_GRACE_S` (an agent that joined late would wait in the rendezvous for a job that
+ended).
 """
 
 from __future__ import annotations
@@ -55,6 +64,11 @@ SSH_CHECK_TIMEOUT = 5
 PDSH_FAN_OUT = 1024
 STOP_GRACE_S = 20.0
 """Seconds the other nodes get to stop their ranks after a failure before their ssh is terminated."""
+ELASTIC_SSH_ALIVE_S = 2
+ELASTIC_SSH_ALIVE_COUNT = 5
+"""Elastic ssh launches: keep-alive interval (s) and unanswered keep-alives after which ssh ends (a cut link)."""
+REJOIN_PROBE_S = 3.0
+"""Elastic ssh launches: seconds between two reachability checks of a lost host."""
 
 _OWN_FLAGS = frozenset({"--no_ssh_check", "--no-ssh-check", "--force_multi", "--force-multi"})
 _SET_HERE = ("--nnodes", "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node", "--master-addr",
@@ -328,21 +342,48 @@ def _describe_node_failure(node: _Node, code: int) -> str:
     return "\n".join(lines)
 
 
-def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S, elastic: bool = False) -> int:
+def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S, elastic: bool = False,
+                  probes: Mapping[str, list[str]] | None = None, rejoins: int = 0,
+                  probe_interval_s: float = REJOIN_PROBE_S) -> int:
     """Start every node, wait; when one fails, stop the others and print a report naming the host; the exit status.
 
     ``elastic`` (``--elastic``): a failing node is reported and the others keep running (their torchrun agents
-    restart the workers at the smaller size); the status is 0 when a node finished the job (exited 0), else the
-    first failure's.
+    restart the workers at the smaller size). A lost host with a ``probes`` argv (the ssh check) is checked every
+    ``probe_interval_s`` while the job runs, and started again when the check passes, up to ``rejoins`` times per
+    host. Once a node finished (exit 0), the others get ``grace_s`` to finish and are then stopped. The status is 0
+    when a node finished the job, else the first failure's.
     """
     nodes = [_Node(rank, host, argv) for rank, (host, argv) in enumerate(argvs.items())]
     failed: tuple[_Node, int] | None = None
     interrupted: int | None = None
     lost: list[tuple[_Node, int]] = []
+    checks: dict[int, tuple[subprocess.Popen[bytes] | None, float]] = {}  # node rank -> (running check, next at)
+    started = dict.fromkeys(range(len(nodes)), 0)
+    finished_at: float | None = None
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal interrupted
         interrupted = signum
+
+    def rejoin(index: int) -> None:
+        node = nodes[index]
+        check, next_at = checks.get(node.rank, (None, 0.0))
+        if check is None:
+            if time.monotonic() >= next_at:
+                checks[node.rank] = (subprocess.Popen(list((probes or {})[node.host]), stdin=subprocess.DEVNULL,
+                                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                      start_new_session=True), 0.0)
+            return
+        if check.poll() is None:
+            return
+        checks[node.rank] = (None, time.monotonic() + probe_interval_s)
+        if check.returncode != 0:
+            return
+        started[node.rank] += 1
+        print(f"microspeed run: node {node.rank} ({node.host}) answers again: starting it again to rejoin the job "
+              f"(elastic, {started[node.rank]} of {rejoins})", file=sys.stderr, flush=True)
+        nodes[index] = _Node(node.rank, node.host, argvs[node.host])
+        lost[:] = [(n, c) for n, c in lost if n is not node]
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} \
         if threading.current_thread() is threading.main_thread() else {}
@@ -360,12 +401,27 @@ def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S,
                     if not any(c == 0 for c in codes):
                         failed = lost[0]
                     break
+                if 0 in codes:
+                    finished_at = finished_at or time.monotonic()
+                    if time.monotonic() - finished_at > grace_s:
+                        late = [n for n, c in zip(nodes, codes, strict=True) if c is None]
+                        print(f"microspeed run: the job finished; stopping the node(s) still running: "
+                              f"{', '.join(f'node {n.rank} ({n.host})' for n in late)}", file=sys.stderr, flush=True)
+                        interrupted = 0
+                        break
+                elif probes:
+                    for i, (n, c) in enumerate(zip(nodes, codes, strict=True)):
+                        if c not in (None, 0) and n.host in probes and started[n.rank] < rejoins:
+                            rejoin(i)
             elif bad:
                 failed = bad[0]
                 break
             if all(c == 0 for c in codes):
                 break
             time.sleep(0.1)
+        for check, _ in checks.values():
+            if check is not None and check.poll() is None:
+                check.kill()
         if failed is not None or interrupted is not None:
             for n in nodes:
                 n.stop()
@@ -385,6 +441,8 @@ def run_ssh_nodes(argvs: Mapping[str, list[str]], grace_s: float = STOP_GRACE_S,
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+    if interrupted == 0:  # the job finished on some node; late ones were stopped
+        return 0
     if interrupted is not None:
         print(f"microspeed run: stopped by {signal.Signals(interrupted).name}; every node was stopped", file=sys.stderr)
         return 128 + interrupted
@@ -531,7 +589,12 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
             elastic.max_restarts
     result["node"], result["elastic"] = node, elastic
     if launcher == "ssh":
-        result["argvs"] = ssh_argvs(hosts, node, cwd, exports, launcher_args, opts.ssh_port)
+        ssh_args = launcher_args
+        if elastic is not None:  # a cut link ends the host's ssh within ~10 s; the user's -o options come first (win)
+            ssh_args = [*launcher_args, "-o", f"ServerAliveInterval={ELASTIC_SSH_ALIVE_S}", "-o",
+                        f"ServerAliveCountMax={ELASTIC_SSH_ALIVE_COUNT}"]
+            result["probes"] = {h: ssh_check_argv(h, launcher_args, opts.ssh_port) for h in hosts}
+        result["argvs"] = ssh_argvs(hosts, node, cwd, exports, ssh_args, opts.ssh_port)
     elif launcher == "pdsh":
         env = {**environ, "PDSH_RCMD_TYPE": "ssh"}
         if opts.ssh_port:
@@ -569,5 +632,7 @@ def main(args: Sequence[str]) -> int:
     print(f"microspeed run: {launcher} launch on {len(launch['hosts'])} nodes: {hosts}; master "
           f"{launch['node'].master_addr}:{launch['node'].master_port}", file=sys.stderr, flush=True)
     if launcher == "ssh":
-        return run_ssh_nodes(launch["argvs"], elastic=launch["elastic"] is not None)
+        elastic = launch["elastic"]
+        return run_ssh_nodes(launch["argvs"], elastic=elastic is not None, probes=launch.get("probes"),
+                             rejoins=elastic.max_restarts if elastic is not None else 0)
     return run_one(launch["argv"], launch["env"], launch.get("kill_argv"))

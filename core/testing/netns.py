@@ -291,6 +291,23 @@ class SlowNetwork:
         worst = max(max(r) for r in self.rtt_ms)
         self._log(f"connectivity ok: all {self.n * (self.n - 1)} ordered pairs connect (TCP connect <= {worst:.2f} ms)")
 
+    # -- faults ------------------------------------------------------------------------------------
+
+    def kill_machine(self, rank: int) -> list[int]:
+        """SIGKILL every process in ``rank``'s namespace (the machine dies: its peers see connections reset); the
+        pids killed. The namespace and its link stay, so the machine can come back (start its processes again)."""
+        res = _run(["ip", "netns", "pids", self.namespaces[rank]], check=False)
+        pids = [int(p) for p in res.stdout.split() if p.isdigit()]
+        _kill_namespace_processes(self.namespaces[rank])
+        self._log(f"killed the {len(pids)} process(es) of namespace {rank} ({self.addr(rank)})")
+        return pids
+
+    def set_link(self, rank: int, up: bool) -> None:
+        """Cut (``up=False``) or restore ``rank``'s link to the bridge: its bridge-side veth goes down or up. A cut
+        link drops packets silently (no reset): peers' connections to it hang until a timeout notices."""
+        _run(["ip", "link", "set", self.host_veths[rank], "up" if up else "down"])
+        self._log(f"link of namespace {rank} ({self.addr(rank)}) {'restored' if up else 'cut'}")
+
     # -- tear-down ---------------------------------------------------------------------------------
 
     def teardown(self) -> None:

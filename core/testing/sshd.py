@@ -75,19 +75,30 @@ class SshCluster:
         """Generate the keys, start every sshd and wait until each accepts connections (else raise)."""
         self._keys()
         os.makedirs("/run/sshd", exist_ok=True)  # sshd's privilege-separation folder
-        sshd = shutil.which("sshd") or SSHD
         try:
-            for r in range(self.net.n):
-                log = open(os.path.join(self.folder, f"sshd_{r}.log"), "wb")  # noqa: SIM115 - kept by the process
-                self.procs.append(subprocess.Popen(self.net.exec_argv(r, [sshd, "-D", "-e", "-f", self.sshd_config(r)]),
-                                                   stdout=log, stderr=log, stdin=subprocess.DEVNULL))
-                log.close()
+            self.procs = [self._spawn(r) for r in range(self.net.n)]
             for r in range(self.net.n):
                 self._wait_listening(r)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _spawn(self, rank: int) -> subprocess.Popen[bytes]:
+        sshd = shutil.which("sshd") or SSHD
+        with open(os.path.join(self.folder, f"sshd_{rank}.log"), "ab") as log:
+            return subprocess.Popen(self.net.exec_argv(rank, [sshd, "-D", "-e", "-f", self.sshd_config(rank)]),
+                                    stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+
+    def restart(self, rank: int) -> None:
+        """Start namespace ``rank``'s sshd again (after the machine died: :meth:`SlowNetwork.kill_machine` killed
+        it) and wait until it accepts connections."""
+        old = self.procs[rank]
+        if old.poll() is None:
+            old.kill()
+        old.wait()
+        self.procs[rank] = self._spawn(rank)
+        self._wait_listening(rank)
 
     def _wait_listening(self, rank: int) -> None:
         deadline = time.monotonic() + self.start_timeout
