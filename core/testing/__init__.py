@@ -79,7 +79,9 @@ run by :func:`run_distributed`. ``docs/writing-plugins.md`` walks through all of
 Layout: :mod:`microspeed.testing.harness` holds the distributed harness, :mod:`microspeed.testing.plugin_kit`
 the plugin-author kit and :mod:`microspeed.testing.fixtures` its pytest fixtures; this package re-exports
 every public name of the three, so ``from microspeed.testing import ...`` and
-``pytest_plugins = ["microspeed.testing"]`` work as before.
+``pytest_plugins = ["microspeed.testing"]`` work as before. Not re-exported (import them from their modules):
+:mod:`microspeed.testing.elastic_job` (an elastic job of two local agents whose second node is killed, for the
+node-loss test and the recovery benchmark), :mod:`microspeed.testing.netns` and :mod:`microspeed.testing.sshd`.
 """
 
 from __future__ import annotations
