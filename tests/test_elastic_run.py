@@ -245,3 +245,50 @@ def test_elastic_ssh_launch_has_keepalives_and_probes(tmp_path):
         assert p["probes"][host][:3] == ["ssh", "-F", "cfg"] and p["probes"][host][-2:] == [host, "true"]
     plain = _plan(tmp_path, "--launcher", "ssh")
     assert "probes" not in plain and not any("ServerAlive" in a for v in plain["argvs"].values() for a in v)
+
+
+def test_rendezvous_host_is_found_by_binding_when_torch_does_not_see_it(monkeypatch):
+    """torch matches the endpoint against the host name only: an address of another interface (a namespace, a
+    cluster network) hosts nothing. microspeed adds is_host=1 where the address binds and the port is free."""
+    import socket
+
+    from torch.distributed.elastic.rendezvous import utils
+
+    monkeypatch.setattr(utils, "_matches_machine_hostname", lambda host: False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            free = s.getsockname()[1]
+        assert elastic.rendezvous_conf(f"127.0.0.1:{free}", "") == "is_host=1"
+        assert elastic.rendezvous_conf(f"127.0.0.1:{free}", "last_call_timeout=5") == "last_call_timeout=5,is_host=1"
+        assert elastic.rendezvous_conf(f"127.0.0.1:{taken}", "a=1") == "a=1"  # served here already: a client
+    assert elastic.rendezvous_conf("192.0.2.1:29400", "") == ""  # not this machine's address
+    assert elastic.rendezvous_conf("127.0.0.1:29400", "is_host=0") == "is_host=0"  # the user's word wins
+    monkeypatch.setattr(utils, "_matches_machine_hostname", lambda host: True)
+    assert elastic.rendezvous_conf(f"127.0.0.1:{free}", "") == ""  # torch sees it itself (and keeps its fallback)
+
+
+def test_rendezvous_local_address_is_not_localhost(monkeypatch):
+    """torch tells the other nodes socket.getfqdn() as the workers' store address; where that is localhost (a
+    machine without a resolvable name) microspeed gives torchrun the address that reaches the rendezvous."""
+    import ipaddress
+    import socket
+
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "localhost")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 29400))
+            expected = s.getsockname()[0]
+        except OSError:
+            pytest.skip("no route to a non-local address on this machine")
+    assert elastic.rendezvous_local_addr("192.0.2.1:29400") == expected
+    assert not ipaddress.ip_address(expected).is_loopback
+    assert elastic.rendezvous_local_addr("127.0.0.1:29400") is None  # all on one machine: localhost is right
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "127.0.0.1")
+    assert elastic.rendezvous_local_addr("192.0.2.1:29400") == expected
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(2, 1, 6, "", ("10.1.2.3", 0))])
+    assert elastic.rendezvous_local_addr("192.0.2.1:29400") is None  # a real name: torch's choice

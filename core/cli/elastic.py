@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -158,3 +159,66 @@ def local_args(args: Sequence[str], spec: ElasticSpec, cwd: str | None = None,
         job = default_job_id(rest[_launcher_end(rest):], cwd, environ)
     return ["--nnodes", spec.nnodes, "--max-restarts", str(spec.max_restarts), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", endpoint, "--rdzv-id", job, *rest]
+
+
+def rendezvous_conf(endpoint: str, conf: str) -> str:
+    """torchrun's ``--rdzv-conf`` for a c10d rendezvous at ``endpoint``, with ``is_host=1`` added when this machine
+    must host the store but torch would not see it.
+
+    torch decides who hosts the c10d store by matching the endpoint against this machine's host name and the
+    addresses it resolves to; an address of a second interface (a cluster network, a network namespace) does not
+    match, and every agent then waits for a store nobody serves. Here: when ``conf`` does not say ``is_host``,
+    torch's match fails, and binding to the endpoint's address and port works (the address is this machine's and
+    nobody serves the port yet), ``is_host=1`` is added. Otherwise ``conf`` is returned unchanged (torch's own
+    decision, including its fallback to a client when a second agent on the same machine finds the port taken).
+    """
+    if "is_host" in conf or not endpoint:
+        return conf
+    host, _, port_text = endpoint.rpartition(":")
+    if not host or not port_text.isdigit():
+        return conf
+    host = host.strip("[]")
+    try:
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        if _matches_machine_hostname(host):
+            return conf
+    except Exception:  # a private torch helper: when it moves, the bind test alone decides
+        pass
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, int(port_text)))
+    except OSError:  # not an address of this machine, or the store is served here already
+        return conf
+    return f"{conf},is_host=1" if conf else "is_host=1"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    import ipaddress
+
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def rendezvous_local_addr(endpoint: str) -> str | None:
+    """torchrun's ``--local-addr`` for a c10d rendezvous at ``endpoint`` when torch's default would be unreachable.
+
+    The node that starts the workers' store tells the others its address; torch uses ``socket.getfqdn()``, which on
+    machines without a resolvable name is ``localhost``: every other node would then look for the store on itself.
+    When the name resolves to a loopback address but ``endpoint`` is not a loopback address, this returns the
+    address this machine uses to reach ``endpoint`` (the source address of a UDP socket connected to it: nothing is
+    sent), which the other nodes reach too. Otherwise ``None`` (torch's own choice).
+    """
+    host, _, port_text = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port_text.isdigit() or _is_loopback(host) or not _is_loopback(socket.getfqdn()):
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port_text)))
+            return probe.getsockname()[0]
+    except OSError:
+        return None

@@ -212,6 +212,15 @@ def launch(args: Sequence[str]) -> int:
     parser = torchrun.get_args_parser()
     parser.prog = "microspeed run"
     opts = parser.parse_args(list(args))
+    if opts.rdzv_backend == "c10d":
+        from microspeed.cli.elastic import rendezvous_conf, rendezvous_local_addr
+
+        opts.rdzv_conf = rendezvous_conf(opts.rdzv_endpoint, opts.rdzv_conf)
+        opts.local_addr = opts.local_addr or rendezvous_local_addr(opts.rdzv_endpoint)
+        # torch's default shares one workers' store across rounds and publishes its address only in the first
+        # round: a node that joins a later round (a job growing back) waits for that address forever. The
+        # opt-out publishes it every round (the workers' rank 0 serves their store).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not opts.no_python and not opts.run_path:
         opts.training_script_args = [*(["-m"] if opts.module else []), opts.training_script,
                                      *opts.training_script_args]
