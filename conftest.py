@@ -13,6 +13,9 @@ out with nothing saying why. So here:
   one child process builds (or, when already built, just loads) those ops, with :data:`BUILD_TIMEOUT` seconds
   per op. A build that fails or takes longer fails the tests that need it with a message naming the op, the
   folder and the time, instead of a timeout inside a rank. ``MICROSPEED_DS_OPS_TIMEOUT`` changes the limit.
+* the build runs in the background on one core (``MAX_JOBS=1``; on a fresh checkout it takes minutes) while the
+  tests that do not run DeepSpeed go first: the modules that do are moved to the end of the run (their own
+  order kept), and the first of them waits for the build before its timeout starts.
 """
 
 from __future__ import annotations
@@ -126,13 +129,17 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def build_deepspeed_ops(folder: Path, ops: tuple[tuple[str, str], ...] = DS_OPS,
-                        timeout: float = BUILD_TIMEOUT) -> str | None:
+                        timeout: float = BUILD_TIMEOUT, jobs: int | None = None,
+                        cancel: threading.Event | None = None) -> str | None:
     """Build (or load, when built) DeepSpeed's CPU ``ops`` in ``folder``; None on success, else why not.
 
-    The build runs in a child process with ``DS_ACCELERATOR=cpu`` and ``TORCH_EXTENSIONS_DIR=folder``; each op
-    gets ``timeout`` seconds. A missing DeepSpeed is not a failure (the tests that need it skip themselves).
+    The build runs in a child process with ``DS_ACCELERATOR=cpu`` and ``TORCH_EXTENSIONS_DIR=folder`` (and
+    ``MAX_JOBS=jobs`` compilers at once when given); each op gets ``timeout`` seconds; setting ``cancel`` stops it.
+    A missing DeepSpeed is not a failure (the tests that need it skip themselves).
     """
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(folder)}
+    if jobs:
+        env["MAX_JOBS"] = str(jobs)
     folder.mkdir(parents=True, exist_ok=True)
     _remove_stale_locks(folder, ops, older_than=2 * timeout)  # no build takes that long: its owner is gone
     args = [sys.executable, "-c", _BUILD_SCRIPT, *(f"{b}:{op}" for b, op in ops)]
@@ -144,8 +151,12 @@ def build_deepspeed_ops(folder: Path, ops: tuple[tuple[str, str], ...] = DS_OPS,
     try:
         while True:
             try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                line = lines.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
+                if cancel is not None and cancel.is_set():
+                    return "the build of DeepSpeed's ops was stopped (the test session ended)"
+                if time.monotonic() < deadline:
+                    continue
                 what = f"building DeepSpeed's {current} op" if current else "importing deepspeed to build its ops"
                 return (f"{what} in {folder} took more than {timeout:.0f} s (MICROSPEED_DS_OPS_TIMEOUT sets the "
                         f"limit){_lock_hint(folder, current) if current else ''}")
@@ -164,25 +175,72 @@ def build_deepspeed_ops(folder: Path, ops: tuple[tuple[str, str], ...] = DS_OPS,
     return f"building DeepSpeed's {current or 'CPU'} op in {folder} failed (exit code {proc.returncode}):\n{tail}"
 
 
+class _Build:
+    """The background build of DeepSpeed's ops for this session."""
+
+    thread: threading.Thread | None = None
+    cancel = threading.Event()
+    started = 0.0
+    took: float | None = None
+
+
+def _needing_ops(items: list[pytest.Item]) -> set[str]:
+    seen: dict[Path, bool] = {}
+    return {str(item.path) for item in items if _runs_real_deepspeed(item.path, seen)}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the modules that need DeepSpeed's ops last (their order kept), so the build overlaps the others."""
+    needs = _needing_ops(items)
+    items[:] = [i for i in items if str(i.path) not in needs] + [i for i in items if str(i.path) in needs]
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Before any test runs: build DeepSpeed's ops once when a selected test module runs real DeepSpeed."""
-    global _failure
+    """Before any test runs: start building DeepSpeed's ops (once, in the background) when a selected test module
+    runs real DeepSpeed."""
     if session.config.option.collectonly:
         return
-    seen: dict[Path, bool] = {}
-    _needs_ops.update(str(item.path) for item in session.items if _runs_real_deepspeed(item.path, seen))
+    _needs_ops.update(_needing_ops(session.items))
     if not _needs_ops:
         return
     folder = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"building DeepSpeed's CPU ops {', '.join(op for _, op in DS_OPS)} in {folder} "
-                            f"(once; {len(_needs_ops)} test modules run real DeepSpeed)")
-    started = time.monotonic()
-    _failure = build_deepspeed_ops(folder)
-    if reporter is not None:
-        outcome = "ready" if _failure is None else "FAILED"
-        reporter.write_line(f"DeepSpeed's CPU ops {outcome} after {time.monotonic() - started:.1f} s")
+        reporter.write_line(f"building DeepSpeed's CPU ops {', '.join(op for _, op in DS_OPS)} in {folder} in the "
+                            f"background (once; {len(_needs_ops)} test modules run real DeepSpeed, last)")
+
+    def build() -> None:
+        global _failure
+        _failure = build_deepspeed_ops(folder, jobs=1, cancel=_Build.cancel)
+        _Build.took = time.monotonic() - _Build.started
+
+    _Build.started = time.monotonic()
+    _Build.thread = threading.Thread(target=build, name="deepspeed-ops-build", daemon=True)
+    _Build.thread.start()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A test that runs real DeepSpeed waits for the build first (outside its timeout, which starts inside)."""
+    thread = _Build.thread
+    if thread is not None and str(item.path) in _needs_ops:
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        if thread.is_alive() and reporter is not None:
+            reporter.write_line(f"waiting for the build of DeepSpeed's CPU ops ({time.monotonic() - _Build.started:.0f}"
+                                f" s so far)")
+        thread.join()
+        _Build.thread = None
+        if reporter is not None:
+            outcome = "ready" if _failure is None else "FAILED"
+            reporter.write_line(f"DeepSpeed's CPU ops {outcome} after {_Build.took or 0:.1f} s")
+    yield
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop a build still running (a session that ended before its DeepSpeed tests)."""
+    if _Build.thread is not None and _Build.thread.is_alive():
+        _Build.cancel.set()
+        _Build.thread.join(timeout=30)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
