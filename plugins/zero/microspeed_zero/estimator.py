@@ -81,7 +81,9 @@ __all__ = [
     "estimate_memory",
     "format_bytes",
     "main",
+    "nvme_traffic",
     "parse_count",
+    "parse_size",
 ]
 
 PRECISIONS: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -366,6 +368,28 @@ def estimate_memory(
     )
 
 
+def nvme_traffic(est: MemoryEstimate, grad_accum: int = 1, max_in_cpu: int = 1_000_000_000) -> tuple[int, int]:
+    """``(read, write)`` bytes the NVMe swappers move per optimizer step on one rank, from ``est``'s accounting.
+
+    * ``offload_optimizer = "nvme"``: the optimizer swapper (:mod:`microspeed_zero.swap`) reads every
+      sub-group's fp32 master and state tensors once per step and writes them back once:
+      ``est.optimizer_states.nvme`` bytes each way (Adam: 4 + 2·4 bytes per element of the partition).
+    * ``offload_param = "nvme"`` (stage 3): shards beyond ``offload_param.max_in_cpu`` elements live in
+      files (``est.params.nvme`` scaled to that part); each micro-step's forward and backward read them for
+      their gathers (at most twice: a segment kept gathered from forward into backward is not re-read),
+      and the step reads them once more and writes them back once:
+      reads ``(2·grad_accum + 1)`` × and writes 1 × the file-resident bytes.
+
+    The fp32 gradient partition the step reads stays in memory (not counted).
+    """
+    grad_accum = _check_int("grad_accum", grad_accum, 1)
+    max_in_cpu = _check_int("max_in_cpu", max_in_cpu, 0)
+    opt = est.optimizer_states.nvme
+    share = math.ceil(est.num_params / est.world_size)
+    in_files = est.params.nvme * max(0, share - max_in_cpu) // share if share else 0
+    return opt + (2 * grad_accum + 1) * in_files, opt + in_files
+
+
 # --------------------------------------------------------------------------------------------------- CLI
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -475,7 +499,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-rank memory of parameters, gradients and optimizer states under ZeRO stages 0-3 "
                     "(model states only: activations and communication buffers come on top).",
     )
-    what = parser.add_mutually_exclusive_group(required=True)
+    what = parser.add_mutually_exclusive_group()
     what.add_argument("--params", metavar="N", help="trainable parameter count, e.g. 45e6, 350M, 1.3B")
     what.add_argument("--model", metavar="MODULE:FACTORY",
                       help="import MODULE (or a .py file) and call FACTORY() for an nn.Module; "
@@ -494,6 +518,23 @@ def _parser() -> argparse.ArgumentParser:
                         help="none|cpu|nvme, stage 3 only; repeatable or comma list (default none)")
     parser.add_argument("--precision", default="bf16", help="bf16 | fp16 | fp32 (default bf16)")
     parser.add_argument("--optimizer", default="adam", help=f"{' | '.join(OPTIMIZER_STATES)} (default adam)")
+    probe = parser.add_argument_group(
+        "disk probe and step time",
+        "measure a folder's direct-I/O bandwidth; with --params/--model, print each NVMe-offload row's expected "
+        "step time (bytes the swappers move / the bandwidth, next to 6*params*tokens FLOPs / this CPU's matmul rate)")
+    probe.add_argument("--probe-disk", metavar="PATH", help="folder to probe (the nvme_path you will use)")
+    probe.add_argument("--probe-size", default="1G", metavar="SIZE",
+                       help="bytes written and read by the probe, e.g. 256M, 4G (default 1G; >= 1M; larger than "
+                            "the disk's cache)")
+    probe.add_argument("--tokens-per-step", default="2048", metavar="N",
+                       help="tokens one rank processes per optimizer step: micro-batch x sequence x accumulation "
+                            "steps (default 2048)")
+    probe.add_argument("--grad-accum", default="1", metavar="N",
+                       help="micro-steps per optimizer step (offload_param nvme re-reads parameters in each; "
+                            "default 1)")
+    probe.add_argument("--max-in-cpu", default="1e9", metavar="N",
+                       help="zero_optimization.offload_param.max_in_cpu: parameter elements per rank kept in "
+                            "memory (default 1e9, DeepSpeed's)")
     return parser
 
 
@@ -523,7 +564,77 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, flag: str = "--probe-size") -> int:
+    """Bytes from ``"1G"``, ``"256M"``, ``"64MiB"``, ``"4096"`` (binary units: K = 1024); errors name ``flag``."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{flag}: {text!r} is not a size; give bytes or a number with K, M, G or T (e.g. 1G)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def _probe(opts: argparse.Namespace) -> Any:
+    from microspeed_zero.diskprobe import probe_disk
+
+    try:
+        size = parse_size(opts.probe_size)
+        disk = probe_disk(opts.probe_disk, size)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
+    mode = "O_DIRECT" if disk.direct else "buffered + fsync + fadvise(DONTNEED): the file system refused O_DIRECT"
+    print(f"disk {disk.path}: {format_bytes(disk.size)} sequential, {format_bytes(disk.request)} requests, {mode}")
+    print(f"  write {disk.write_bps / 1e9:.3f} GB/s ({disk.write_seconds:.2f} s, fsync included), "
+          f"read {disk.read_bps / 1e9:.3f} GB/s ({disk.read_seconds:.2f} s)")
+    if not disk.direct:
+        print("  note: without O_DIRECT the figures may include the page cache (tmpfs is memory, not a disk)")
+    return disk
+
+
+def _step_times(opts: argparse.Namespace, disk: Any, rows: list[MemoryEstimate]) -> None:
+    import torch
+
+    from microspeed_zero.diskprobe import matmul_flops, step_time
+
+    nvme = [r for r in rows if r.total_nvme]
+    if not nvme:
+        print("no row offloads to NVMe (--offload-optimizer nvme / --offload-param nvme): no step time to estimate")
+        return
+    tokens = _ints("--tokens-per-step", [opts.tokens_per_step], 1)[0]
+    accum = _ints("--grad-accum", [opts.grad_accum], 1)[0]
+    try:
+        max_in_cpu = parse_count(opts.max_in_cpu)
+    except ValueError as exc:
+        raise _UsageError(f"--max-in-cpu: {exc}") from None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[opts.precision]
+    rate = matmul_flops(dtype)
+    print(f"expected step time per rank with NVMe offload: {tokens} tokens/step, {accum} micro-step(s), "
+          f"max_in_cpu {_count(max_in_cpu)}; CPU matmul {rate / 1e9:.1f} GFLOP/s ({opts.precision}, "
+          f"{torch.get_num_threads()} threads); the CPU optimizer step is not counted")
+    table = [["stage", "ranks", "offload opt/param", "nvme read", "nvme write", "I/O time", "compute time",
+              "step (overlapped)", "step (serial)", "bound"]]
+    for r in nvme:
+        read, write = nvme_traffic(r, accum, max_in_cpu)
+        t = step_time(read, write, r.num_params, tokens, disk, rate)
+        table.append([str(r.stage), str(r.world_size), f"{r.offload_optimizer}/{r.offload_param}",
+                      format_bytes(read), format_bytes(write), f"{t.io_seconds:.3f} s", f"{t.compute_seconds:.3f} s",
+                      f"{t.seconds:.3f} s", f"{t.serial_seconds:.3f} s", t.bound])
+    print(_render(table))
+
+
 def _run(opts: argparse.Namespace) -> int:
+    if opts.probe_disk is None:
+        for flag, value, default in (("--probe-size", opts.probe_size, "1G"),
+                                     ("--tokens-per-step", opts.tokens_per_step, "2048"),
+                                     ("--grad-accum", opts.grad_accum, "1"), ("--max-in-cpu", opts.max_in_cpu, "1e9")):
+            if value != default:
+                raise _UsageError(f"{flag} goes with --probe-disk PATH (the step time needs the disk's bandwidth)")
+        if not opts.params and not opts.model:
+            raise _UsageError("one of --params, --model or --probe-disk is required")
+    disk = _probe(opts) if opts.probe_disk is not None else None
+    if not opts.params and not opts.model:
+        return 0
     sizes = _ints("--world-size", _csv(opts.world_size) or ["1"], 1)
     stage_list = _ints("--stage", _csv(opts.stage) or ["0", "1", "2", "3"], 0)
     oo_list = list(dict.fromkeys(_csv(opts.offload_optimizer) or ["none"]))
@@ -587,6 +698,8 @@ def _run(opts: argparse.Namespace) -> int:
     print(_render(table))
     for note in dict.fromkeys(skipped):
         print(f"skipped {note}")
+    if disk is not None:
+        _step_times(opts, disk, rows)
     return 0
 
 
