@@ -309,3 +309,31 @@ def _warn_as_microspeed() -> str:
 def test_ranks_inherit_the_error_filters_for_our_own_modules():
     with pytest.raises(DistributedTestError, match="DeprecationWarning: an old API"):
         run_distributed(_warn_as_microspeed, world_size=1, timeout=60, init_process_group=False)
+
+
+def _env_and_process(keys):
+    import sys as _sys
+
+    return ({k: os.environ.get(k) for k in keys}, os.getppid(), "torch" in _sys.modules)
+
+
+def test_ranks_get_the_callers_environment_at_the_call_and_start_from_the_fork_server(monkeypatch):
+    """Ranks fork from a server that imported torch once; each gets the environment as it is when run_distributed
+    is called (set, changed and removed variables alike), not the server's, and ``env`` on top."""
+    monkeypatch.setenv("MS_HARNESS_A", "first")
+    monkeypatch.setenv("MS_HARNESS_GONE", "here")
+    run_distributed(_env_and_process, 1, args=(("MS_HARNESS_A",),))  # the server starts with these
+    monkeypatch.setenv("MS_HARNESS_A", "changed")
+    monkeypatch.delenv("MS_HARNESS_GONE")
+    monkeypatch.setenv("MS_HARNESS_NEW", "new")
+    keys = ("MS_HARNESS_A", "MS_HARNESS_GONE", "MS_HARNESS_NEW", "MS_HARNESS_ENV")
+    results = run_distributed(_env_and_process, 2, args=(keys,), env={"MS_HARNESS_ENV": "x", "MS_HARNESS_A": "env"})
+    for env, parent, had_torch in results:
+        assert env == {"MS_HARNESS_A": "env", "MS_HARNESS_GONE": None, "MS_HARNESS_NEW": "new", "MS_HARNESS_ENV": "x"}
+        assert parent != os.getpid() and had_torch  # forked by the server, torch already there
+    monkeypatch.setenv("MICROSPEED_TEST_START_METHOD", "spawn")
+    [(env, parent, _)] = run_distributed(_env_and_process, 1, args=(keys,))
+    assert parent == os.getpid() and env["MS_HARNESS_A"] == "changed" and env["MS_HARNESS_NEW"] == "new"
+    monkeypatch.setenv("MICROSPEED_TEST_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="MICROSPEED_TEST_START_METHOD='fork': expected 'forkserver' or 'spawn'"):
+        run_distributed(_env_and_process, 1, args=(keys,))

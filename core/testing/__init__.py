@@ -1,7 +1,8 @@
 """Distributed test harness: run a function on N local ranks and get back what each rank returned.
 
 This is the harness every multi-rank test of microspeed uses, and the one plugin authors should use
-for theirs. Each rank is a fresh process (``multiprocessing`` "spawn" context) with the usual
+for theirs. Each rank is a fresh process (``multiprocessing``'s "forkserver" context, whose server imported torch
+once; "spawn" where there is none or ``MICROSPEED_TEST_START_METHOD=spawn``) with the caller's environment and the usual
 launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and, by default, an initialized ``torch.distributed`` process
 group (gloo, CPU), so the body reads like code running under ``torchrun``.
@@ -61,8 +62,9 @@ module and qualified name; lambdas and nested functions cannot be found), and th
 in is imported afresh in every rank (the ``if __name__ == "__main__":`` guard applies to scripts,
 as with any spawn-based multiprocessing). Ranks are started with ``OMP_NUM_THREADS=1`` and
 ``torch.set_num_threads(1)`` (several ranks share a few cores); pass ``env={"OMP_NUM_THREADS": "4"}``
-to change that. Starting a rank costs about one ``import torch`` (a few seconds on a small
-machine), so prefer one run that checks several things over many tiny runs.
+to change that. Starting a rank costs a fork and the import of the function's module (the first run of a
+session also starts the fork server: about one ``import torch``, seconds on a small machine; with "spawn" every
+rank pays that), so prefer one run that checks several things over many tiny runs.
 
 With ``init_process_group=False`` the body starts ``torch.distributed`` itself, for example with
 ``microspeed.comm.init_distributed()``, which reads the same environment variables; whatever

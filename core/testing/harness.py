@@ -34,11 +34,13 @@ __all__ = [
     "DEFAULT_GRACE_PERIOD",
     "DEFAULT_TIMEOUT",
     "DistributedTestError",
+    "START_METHOD_ENV",
     "RankFailure",
     "distributed",
     "free_port",
     "in_distributed_worker",
     "run_distributed",
+    "start_context",
 ]
 
 DEFAULT_TIMEOUT = 120.0
@@ -53,6 +55,11 @@ _PORT_ATTEMPTS = 3  # runs retried when the rendezvous port was taken between pr
 _STACK_SIGNAL = getattr(signal, "SIGUSR1", None)  # asks a rank to write its Python stacks
 _STACK_WAIT = 1.0
 _MAX_STACK_CHARS = 6000
+
+START_METHOD_ENV = "MICROSPEED_TEST_START_METHOD"
+"""Environment variable choosing how ranks start: ``forkserver`` (the default where available) or ``spawn``."""
+
+_PRELOAD = ("torch", "torch.distributed")  # what the fork server imports once for every rank it starts
 
 _in_worker = False
 _stack_file: Any = None  # keeps the faulthandler target open for the life of a rank
@@ -154,7 +161,8 @@ def run_distributed(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` local ranks and return each rank's result.
 
-    Every rank is a process of the "spawn" context with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    Every rank is a fresh process (see :func:`start_context`: forked from a server that imported torch once,
+    or spawned) with this process's environment as it is at the call, and ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1`` and ``MASTER_PORT`` (a free port) set, plus
     ``OMP_NUM_THREADS=1`` / ``torch.set_num_threads(1)``, then ``env`` applied on top. With
     ``init_process_group`` the rank calls ``torch.distributed.init_process_group(backend,
@@ -448,6 +456,25 @@ def _our_error_filters() -> list[tuple[str, str, type, str, int]]:
     return picked
 
 
+def start_context() -> Any:
+    """The ``multiprocessing`` context ranks start from.
+
+    ``forkserver`` where the platform has it: one server process per test session imports torch once and forks
+    every rank from there (starting a rank costs a fork instead of an ``import torch``, seconds on a small
+    machine), and ``spawn`` elsewhere or when :data:`START_METHOD_ENV` says ``spawn``. Either way a rank is a
+    fresh process that imports the function's module by name, and gets the caller's current environment
+    (the server's own, taken when it started, is replaced).
+    """
+    method = os.environ.get(START_METHOD_ENV, "forkserver").strip().lower() or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: expected 'forkserver' or 'spawn'")
+    if method == "forkserver" and "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(_PRELOAD))
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -461,6 +488,7 @@ def _worker(
     results: Any,
     stack_dir: str,
     warning_filters: list[Any] = (),
+    base_env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of a rank: set up the environment, run the function, report through ``results``."""
     global _in_worker
@@ -468,6 +496,9 @@ def _worker(
     _exit_with_parent()
     for entry in reversed(warning_filters):
         warnings.filterwarnings(entry[0], message=entry[1], category=entry[2], module=entry[3], lineno=entry[4])
+    if base_env is not None:  # a forked rank has its fork server's environment: the caller's replaces it
+        os.environ.clear()
+        os.environ.update(base_env)
     os.environ.update(
         {
             "RANK": str(rank),
@@ -642,7 +673,8 @@ def _run_once(
     grace_period: float,
 ) -> _Outcome:
     __tracebackhide__ = True
-    ctx = multiprocessing.get_context("spawn")
+    ctx = start_context()
+    base_env = dict(os.environ)
     deadline = time.monotonic() + timeout
     outcome = _Outcome(world_size, timeout)
     results = ctx.Queue()
@@ -667,6 +699,7 @@ def _run_once(
                         results,
                         stack_dir,
                         _our_error_filters(),
+                        base_env,
                     ),
                 )
                 try:
