@@ -9,6 +9,10 @@ so that several threads move one large tensor in parallel, with ``os.pread``/``o
 is released during the system call) straight into or out of the memory of a contiguous CPU
 tensor, through a byte view (so bf16 and every other dtype work alike). Swap files are not fsynced.
 
+A transfer may cover part of a key: ``offset`` (in elements) places a smaller tensor inside the key's
+elements, so one file can be filled piece by piece (the gradient pieces of :mod:`microspeed_zero.swap`).
+:attr:`TensorFileStore.bytes_read` / :attr:`~TensorFileStore.bytes_written` count the bytes requested.
+
 Ordering: operations on the same key keep their submission order (a read waits for an earlier
 write of that key, a write for earlier reads and writes of it); operations on different keys run
 concurrently unless ordered explicitly with ``after=``.
@@ -223,6 +227,10 @@ class TensorFileStore:
             raise OSError(exc.errno, f"cannot create the NVMe swap folder {self.folder!r}: {exc.strerror or exc}") \
                 from exc
         self._entries: dict[str, _Entry] = {}
+        self.bytes_read = 0
+        """Bytes requested by reads so far (whole or partial transfers, counted when submitted)."""
+        self.bytes_written = 0
+        """Bytes requested by writes so far (counted when submitted)."""
         self._pending: dict[str, list[tuple[SwapHandle, bool]]] = {}
         self._lock = threading.Lock()
         self._counter = 0
@@ -258,9 +266,14 @@ class TensorFileStore:
             self._entries[key] = entry
         return entry
 
-    def _matching(self, key: str, tensor: torch.Tensor, what: str) -> _Entry:
+    def _matching(self, key: str, tensor: torch.Tensor, what: str, offset: int | None = None) -> _Entry:
         entry = self._entry(key)
-        if tensor.numel() != entry.numel or tensor.dtype != entry.dtype:
+        if offset is not None:
+            if int(offset) < 0 or int(offset) + tensor.numel() > entry.numel or tensor.dtype != entry.dtype:
+                raise ValueError(f"{what} for swap key {key!r} at offset {offset} has numel {tensor.numel()} and "
+                                 f"dtype {tensor.dtype}; the key holds numel {entry.numel} and dtype {entry.dtype} "
+                                 f"(offset + numel must not pass its end)")
+        elif tensor.numel() != entry.numel or tensor.dtype != entry.dtype:
             raise ValueError(f"{what} for swap key {key!r} has numel {tensor.numel()} and dtype {tensor.dtype}; "
                              f"the key holds numel {entry.numel} and dtype {entry.dtype}")
         return entry
@@ -347,7 +360,7 @@ class TensorFileStore:
             os.close(fd)
 
     def _submit(self, op: str, entry: _Entry, tensor: torch.Tensor, view: memoryview,
-                after: Iterable[SwapHandle]) -> SwapHandle:
+                after: Iterable[SwapHandle], base: int = 0) -> SwapHandle:
         is_write = op == "write"
         handle = SwapHandle(op, entry.key, entry.path, tensor)
         with self._lock:
@@ -360,10 +373,15 @@ class TensorFileStore:
         def job(start: int, stop: int) -> None:
             for dep in deps:
                 dep._join()
-            io(path, view[start:stop], start)
+            io(path, view[start:stop], base + start)
 
         handle._on_done.append(self._forget)
         size = len(view)
+        with self._lock:
+            if is_write:
+                self.bytes_written += size
+            else:
+                self.bytes_read += size
         bounds = [(s, min(s + self.block_size, size)) for s in range(0, size, self.block_size)] or [(0, 0)]
         handle._attach([self._pool.submit(job, s, e) for s, e in bounds])
         return handle
@@ -376,43 +394,52 @@ class TensorFileStore:
                 if not pending:
                     del self._pending[handle.key]
 
-    def write_async(self, key: str, tensor: torch.Tensor, after: Sequence[SwapHandle] = ()) -> SwapHandle:
+    def write_async(self, key: str, tensor: torch.Tensor, after: Sequence[SwapHandle] = (),
+                    offset: int | None = None) -> SwapHandle:
         """Start writing ``tensor`` (contiguous, CPU) under ``key``; allocates the key on first use.
 
         ``tensor`` must not be modified until the returned handle's :meth:`~SwapHandle.wait`.
         ``after``: handles that must finish before this write starts (e.g. the read that last used
-        the buffer). Raises :class:`ValueError` at once if the key holds another numel or dtype.
+        the buffer). ``offset`` (elements; ``None``: the whole key): write ``tensor`` over the key's elements
+        ``[offset, offset + numel)`` only (the key must exist, with the same dtype). Raises :class:`ValueError`
+        at once if the key holds another numel or dtype (or the piece does not fit).
         """
         self._check_open()
         view = _byte_view(tensor, f"tensor written to swap key {key!r}")
         if key not in self._entries:
+            if offset is not None:
+                raise KeyError(f"no tensor {key!r} in the NVMe swap store at {self.folder!r}; allocate() it before "
+                               f"writing a piece at offset {offset}")
             self._new_entry(key, tensor.numel(), tensor.dtype)
-        entry = self._matching(key, tensor, "tensor written")
-        return self._submit("write", entry, tensor, view, after)
+        entry = self._matching(key, tensor, "tensor written", offset)
+        return self._submit("write", entry, tensor, view, after, int(offset or 0) * tensor.element_size())
 
-    def read_async(self, key: str, out: torch.Tensor, after: Sequence[SwapHandle] = ()) -> SwapHandle:
+    def read_async(self, key: str, out: torch.Tensor, after: Sequence[SwapHandle] = (),
+                   offset: int | None = None) -> SwapHandle:
         """Start filling ``out`` (contiguous, CPU, the key's numel and dtype, any shape) from ``key``.
 
         Raises :class:`KeyError` naming the key at once if it was never allocated or written.
         ``after``: handles that must finish before this read starts (e.g. the write-back of the
-        buffer ``out`` lives in).
+        buffer ``out`` lives in). ``offset`` (elements; ``None``: the whole key): fill ``out`` from the key's
+        elements ``[offset, offset + out.numel())``.
         """
         self._check_open()
         entry = self._entry(key)
-        self._matching(key, out, "output tensor")
+        self._matching(key, out, "output tensor", offset)
         view = _byte_view(out, f"output tensor for swap key {key!r}")
-        return self._submit("read", entry, out, view, after)
+        return self._submit("read", entry, out, view, after, int(offset or 0) * out.element_size())
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` under ``key`` and wait for it (see :meth:`write_async`)."""
-        self.write_async(key, tensor).wait()
+    def write(self, key: str, tensor: torch.Tensor, offset: int | None = None) -> None:
+        """Write ``tensor`` under ``key`` (at ``offset`` elements) and wait for it (see :meth:`write_async`)."""
+        self.write_async(key, tensor, offset=offset).wait()
 
-    def read(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read ``key`` into ``out`` (a new flat tensor when ``None``), wait, and return it."""
+    def read(self, key: str, out: torch.Tensor | None = None, offset: int | None = None) -> torch.Tensor:
+        """Read ``key`` (from ``offset`` elements, as many as ``out`` holds) into ``out`` (a new flat tensor of
+        the rest of the key when ``None``), wait, and return it."""
         if out is None:
             entry = self._entry(key)
-            out = torch.empty(entry.numel, dtype=entry.dtype)
-        self.read_async(key, out).wait()
+            out = torch.empty(entry.numel - int(offset or 0), dtype=entry.dtype)
+        self.read_async(key, out, offset=offset).wait()
         return out
 
     def remove(self, key: str) -> None:

@@ -135,6 +135,28 @@ def test_allocate_reserves_zero_filled_space(tmp_path):
         assert torch.equal(store.read("m"), torch.ones(3000))
 
 
+def test_pieces_at_an_offset_and_byte_counters(tmp_path):
+    with TensorFileStore(str(tmp_path), threads=3, block_size=BLOCK) as store:
+        store.allocate("g", 5000, torch.bfloat16)
+        whole = torch.zeros(5000, dtype=torch.bfloat16)
+        for start, stop in ((0, 7), (7, 3001), (4000, 5000)):  # pieces spanning several blocks
+            piece = _sample(stop - start, torch.bfloat16, seed=start)
+            store.write_async("g", piece, offset=start).wait()
+            whole[start:stop] = piece
+        assert torch.equal(store.read("g"), whole)
+        out = torch.empty(1500, dtype=torch.bfloat16)
+        assert torch.equal(store.read("g", out, offset=3500), whole[3500:])
+        assert store.read("g", offset=4990).numel() == 10
+        assert store.bytes_written == 2 * (7 + 2994 + 1000)
+        assert store.bytes_read == 2 * (5000 + 1500 + 10)
+        with pytest.raises(ValueError, match="offset 4999"):
+            store.write("g", torch.zeros(2, dtype=torch.bfloat16), offset=4999)
+        with pytest.raises(ValueError, match="dtype"):
+            store.write("g", torch.zeros(2), offset=1)
+        with pytest.raises(KeyError, match="allocate"):
+            store.write("new", torch.zeros(2), offset=1)
+
+
 def test_mismatched_tensors_are_refused_at_the_call(tmp_path):
     with TensorFileStore(str(tmp_path)) as store:
         store.allocate("k", 100, torch.float32)
