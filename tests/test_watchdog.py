@@ -54,7 +54,7 @@ def test_report_names_the_rank_that_did_not_join():
     (RankState(1, "idle", seconds=3.0, last="after_global_step", counts={"world": 6}),
      "outside hooks and collectives, did not join all_reduce #7 on world; it issued 6 collectives on world"),
     (RankState(1, "exited"), "exited without joining all_reduce #7 on world"),
-    (RankState(1, "no answer"), "did not answer; not known to be in all_reduce #7 on world"),
+    (RankState(1, "no answer"), "lost or silent (did not answer); not known to be in all_reduce #7 on world"),
     (RankState(1, "collective", "barrier", 3.0, hook="after_step", plugin="x", group="world", group_ranks=[0, 1],
                seq=7), "in barrier #7 from after_step / x: mismatched with all_reduce #7 on world"),
 ])

@@ -5,7 +5,9 @@ has waited in one collective or one hook longer than the timeout (default
 :data:`microspeed.observe.watchdog.DEFAULT_TIMEOUT_S`, 10 minutes). ``"watchdog": {"timeout_s": 120}``
 sets it (and turns it on for one rank too), ``"watchdog": {"enabled": false}`` turns it off, and the
 environment variable ``MICROSPEED_WATCHDOG_TIMEOUT`` (seconds, ``0``/``off``) wins over both. The same
-timeout bounds how long ``initialize()``'s rank agreement waits for a rank that never comes. When off,
+timeout bounds how long ``initialize()``'s rank agreement waits for a rank that never comes.
+``answer_timeout_s`` is how long a rank waits for the others' answers through the store: in a hang
+report, and when a collective failed and the error must name the ranks that are gone. When off,
 this plugin implements no per-step hook and attaches nothing.
 """
 
@@ -34,7 +36,7 @@ class WatchdogPlugin:
 
     @hookimpl
     def microspeed_config_sections(self) -> dict:
-        """``watchdog``: ``enabled``, ``timeout_s``."""
+        """``watchdog``: ``enabled``, ``timeout_s``, ``answer_timeout_s``."""
         return {
             "watchdog": Section({
                 "enabled": Field((bool,), True, "watch for hangs (on by default with more than one rank; "
@@ -43,6 +45,10 @@ class WatchdogPlugin:
                                    "longer than this in one collective or hook (null: "
                                    f"{watchdog.DEFAULT_TIMEOUT_S:g} s with more than one rank; "
                                    f"{watchdog.ENV_VAR} wins)", positive),
+                "answer_timeout_s": Field((float, type(None)), None, "how long a rank waits for the others' "
+                                          "answers through the c10d store (a hang report; a failed collective, "
+                                          "whose error then names the ranks that did not answer as lost); "
+                                          "null: 1-5 s, from timeout_s", positive),
             }, doc="microspeed: hang diagnosis"),
         }
 
@@ -55,7 +61,7 @@ class WatchdogPlugin:
         context.ranks_timeout_s = timeout_s
         if timeout_s is None:
             return
-        watchdog.start(timeout_s, context=context)
+        watchdog.start(timeout_s, context=context, gather_s=section["answer_timeout_s"])
         if self.plugins is not None:
             trace.instrument(self.plugins, context=context)
 

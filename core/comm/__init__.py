@@ -58,6 +58,7 @@ from microspeed.comm.context import (
 from microspeed.comm.setup import (
     DEFAULT_TIMEOUT,
     DistributedNotInitializedError,
+    LostRanksError,
     MissingRanksError,
     default_backend,
     destroy_process_group,
@@ -76,7 +77,7 @@ from microspeed.observe.comms_logger import CommsLogger, calc_bw_log, convert_si
 
 __all__ = [
     "DEFAULT_TIMEOUT", "Collective", "CollectiveObserver", "CommContext", "CommStats", "CommsLogger",
-    "DistributedNotInitializedError", "MissingRanksError", "ObservedWork", "activate", "add_observer",
+    "DistributedNotInitializedError", "LostRanksError", "MissingRanksError", "ObservedWork", "activate", "add_observer",
     "all_gather", "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all", "all_to_all_single",
     "barrier", "broadcast", "calc_bw_log", "collective_counts", "comms_logger", "configure", "context_for",
     "convert_size", "current", "deactivate", "default_backend", "default_context", "destroy_process_group",

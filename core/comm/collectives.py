@@ -4,6 +4,12 @@ With no observer attached a wrapper costs one look at the current context; with 
 becomes a :class:`~microspeed.comm.context.Collective` record, and an asynchronous call returns an
 :class:`ObservedWork` whose ``wait()`` tells them too. Every wrapper is a no-op (or a local copy) on a
 one-rank group.
+
+A collective that fails (the transport's ``RuntimeError``: a peer's connection closed or reset) is
+shown to the context's watchdog, when one runs: it asks the other ranks through the c10d store who is
+still there, and the error raised names the ranks that are gone (:class:`~microspeed.comm.LostRanksError`,
+the transport's error as its ``__cause__``). A watchdog observes every collective, so this is the
+observed path's.
 """
 
 from __future__ import annotations
@@ -41,11 +47,12 @@ class ObservedWork:
     Behaves like the ``torch.distributed`` work object it wraps (other attributes pass through).
     """
 
-    __slots__ = ("work", "call", "_observers", "_finished", "_sync")
+    __slots__ = ("work", "call", "_observers", "_finished", "_sync", "_context")
 
     def __init__(self, work: Any, call: Collective, observers: tuple[CollectiveObserver, ...],
-                 sync_cuda: bool = False) -> None:
+                 sync_cuda: bool = False, context: _ctx.CommContext | None = None) -> None:
         self.work, self.call, self._observers, self._finished, self._sync = work, call, observers, False, sync_cuda
+        self._context = context
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         """Wait for the operation (as the wrapped work's ``wait``), telling the observers."""
@@ -64,6 +71,9 @@ class ObservedWork:
             call.t_end = time.perf_counter_ns()
             for o in self._observers:
                 o.collective_end(call, exc)
+            better = _explained(self._context, call, exc)
+            if better is not exc:
+                raise better from exc
             raise
         self._finished = True
         call.t_end = time.perf_counter_ns()
@@ -102,6 +112,9 @@ def _observe(op: str, nbytes: int, group: Any, async_op: bool, tensor: Any, fn: 
         call.t_end = time.perf_counter_ns()
         for o in obs:
             o.collective_end(call, exc)
+        better = _explained(ctx, call, exc)
+        if better is not exc:
+            raise better from exc
         raise
     now = time.perf_counter_ns()
     if async_op and result is not None:
@@ -113,7 +126,7 @@ def _observe(op: str, nbytes: int, group: Any, async_op: bool, tensor: Any, fn: 
                 pass
         for o in obs:
             o.collective_launched(call)
-        return ObservedWork(result, call, obs, sync)
+        return ObservedWork(result, call, obs, sync, ctx)
     call.t_done = call.t_end = now
     for o in obs:
         o.collective_end(call, None)
@@ -122,6 +135,19 @@ def _observe(op: str, nbytes: int, group: Any, async_op: bool, tensor: Any, fn: 
 
 def _mark_done(call: Collective) -> None:
     call.t_done = time.perf_counter_ns()
+
+
+def _explained(ctx: _ctx.CommContext | None, call: Collective, exc: BaseException) -> BaseException:
+    """The error to raise for a failed collective: the watchdog's account of ``exc`` (naming the ranks that are
+    gone) when ``ctx`` has a watchdog and it gives one, else ``exc`` itself."""
+    watchdog = getattr(ctx, "watchdog", None)
+    if watchdog is None or not isinstance(exc, RuntimeError):
+        return exc
+    try:
+        better = watchdog.explain_failure(call, exc)
+    except Exception:  # the account is a courtesy: never hide the transport's error behind our own
+        return exc
+    return exc if better is None else better
 
 
 

@@ -146,6 +146,23 @@ class MissingRanksError(TimeoutError):
         self.missing = missing
 
 
+class LostRanksError(RuntimeError):
+    """A collective failed because ranks are gone (their process or host died): the message names them.
+
+    Raised by :mod:`microspeed.comm`'s collectives, from the connection error of the transport (kept as
+    ``__cause__``), when the watchdog (:mod:`microspeed.observe.watchdog`) finds ranks that no longer
+    answer through the c10d store. ``lost`` lists their global ranks (empty when the store itself did not
+    answer, so nobody could be asked), ``answered`` the ranks that did. A ``RuntimeError`` as the
+    transport's own error is, so whatever caught that (torchrun's elastic agent restarts on any worker
+    failure) catches this one.
+    """
+
+    def __init__(self, message: str, lost: list[int], answered: list[int]) -> None:
+        super().__init__(message)
+        self.lost = lost
+        self.answered = answered
+
+
 _arrivals = 0  # agreements this process took part in on its group: every rank counts the same (the keys' round)
 _arrivals_group = 0  # id() of the default group they were counted on (a new group starts again from 0)
 _GAVE_UP = "gave_up"

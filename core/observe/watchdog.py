@@ -24,9 +24,25 @@ When a rank has been in one collective or one hook for more than ``timeout_s`` s
 
 The launcher (torchrun) then stops the other ranks. Set ``timeout_s`` above the longest hook of
 a healthy step (the ``backward`` hook runs the whole backward pass) and its longest collective.
+Ranks that did not answer are named as lost or silent (their process or host is gone, their network
+link is cut, or their Python threads are blocked). Every store exchange is bounded: a store behind a
+cut link does not keep the report from being printed.
+
+**A lost rank.** When a rank's process dies, the survivors' next collective does not hang: the
+transport raises (gloo: ``Connection closed by peer [address]:port``), naming an address. A collective
+of :mod:`microspeed.comm` that fails so is shown to the watchdog (:meth:`Watchdog.explain_failure`):
+it raises the same alarm, asking ``why`` (``"failed"``), waits at most ``answer_timeout_s`` (its
+``gather_s``) for the answers, and the error raised instead is a :class:`microspeed.comm.LostRanksError`
+naming the ranks that exited or did not answer, with their last heartbeat.
+
+**Heartbeats.** Each rank's thread also publishes ``<prefix>beat/<rank>`` (a counter, the step, the
+time) every ``beat_s``. :meth:`Watchdog.peer_watch` reads them: a rank whose counter has not moved
+for ``stale_s`` (or that published ``exited``) is gone. Rank 0 uses it while it waits for the other
+ranks to finish writing an asynchronous checkpoint (:mod:`microspeed.checkpoint.saving`).
 
 Changing it: ``"watchdog": {"timeout_s": 120}`` (any world size, one rank included),
-``"watchdog": {"enabled": false}`` (off), or the environment variable ``MICROSPEED_WATCHDOG_TIMEOUT``
+``"watchdog": {"enabled": false}`` (off), ``"watchdog": {"answer_timeout_s": 2}`` (how long a rank waits
+for the others' answers), or the environment variable ``MICROSPEED_WATCHDOG_TIMEOUT``
 (seconds; ``0`` or ``off``: off), which wins over the config. The same timeout bounds how long
 ``initialize()``'s rank agreement waits for a rank that never comes (:func:`microspeed.comm.wait_for_ranks`).
 Each engine has its own watchdog (its context's ``watchdog``), stopped when the engine is collected.
@@ -38,6 +54,7 @@ import atexit
 import datetime
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -65,6 +82,8 @@ EXIT_CODE = 86
 STORE_PREFIX = "microspeed/watchdog/"
 """Prefix of the watchdog's keys in the c10d store."""
 
+_PEER_LOSS = re.compile(r"peer|connection|broken pipe|socket|timed out|timeout|abort|remote (worker|process)|"
+                        r"ECONNRESET|EPIPE|ENOTCONN", re.IGNORECASE)  # the transports' words for a lost peer
 _SCREEN_FRAMES = 6  # innermost frames shown per straggler on screen
 _SCREEN_STRAGGLER_STACKS = 4  # stragglers whose frames are shown on screen
 
@@ -116,7 +135,8 @@ class RankState:
             return f"outside hooks and collectives (idle or finished) for {self.seconds:.1f} s{last}"
         if self.kind == "exited":
             return "exited (its process ended)"
-        return "did not answer (process gone, or its Python threads blocked)"
+        return "lost or silent: did not answer (its process or host is gone, its link is cut, or its Python " \
+               "threads are blocked)"
 
     def position(self) -> str:
         """``step 3 (micro 6)`` or ``""``."""
@@ -258,7 +278,7 @@ def find_stragglers(states: list[RankState]) -> tuple[list[tuple[int, str]], str
         elif s.kind == "exited":
             why = f"exited without joining {what}"
         else:
-            why = f"did not answer; not known to be in {what}"
+            why = f"lost or silent (did not answer); not known to be in {what}"
         out.append((s.rank, why))
     summary = f"{_ranks_text([s.rank for s in ref_ranks])} wait in {what}"
     if not out:
@@ -285,11 +305,12 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def format_report(states: list[RankState], detector: int, timeout_s: float, full: bool = False,
-                  report_path: str | None = None) -> str:
+                  report_path: str | None = None, answer_s: float | None = None, note: str = "") -> str:
     """The watchdog's report: one screen (``full=False``) or with every rank's stack.
 
-    Lists what each rank is in (ranks in the same place share a line), names the stragglers and
-    shows where they are (innermost frames).
+    Lists what each rank is in (ranks in the same place share a line), names the stragglers, the
+    ranks lost or silent (no answer within ``answer_s``) and shows where they are (innermost frames).
+    ``note`` is one more line (why the exchange could not finish, for one).
     """
     states = sorted(states, key=lambda s: s.rank)
     me = next((s for s in states if s.rank == detector), None)
@@ -321,6 +342,13 @@ def format_report(states: list[RankState], detector: int, timeout_s: float, full
             lines.append(f"  ... and {len(stragglers) - 16} more")
     else:
         lines.append("stragglers: none identified")
+    silent = [s.rank for s in states if s.kind == "no answer"]
+    if silent:
+        within = f" within {answer_s:g} s" if answer_s else ""
+        lines.append(f"lost or silent: {_ranks_text(silent)} did not answer{within} (process or host gone, "
+                     "network link cut, or Python threads blocked)")
+    if note:
+        lines.append(note)
     by_rank = {s.rank: s for s in states}
     shown = [r for r, _ in stragglers if by_rank[r].stack][:_SCREEN_STRAGGLER_STACKS]
     if not shown and me is not None and me.stack:
@@ -361,12 +389,15 @@ class Watchdog:
     ``store`` is a c10d store client the thread may use (``None``: one rank, or no exchange);
     ``on_timeout(report)`` is called once with the one-screen report when this rank detects a
     hang (default: flush, ``os._exit(EXIT_CODE)``). ``poll_s`` is how often the thread looks at the
-    main thread and for alarms; ``gather_s`` how long a detecting rank waits for the others.
+    main thread and for alarms; ``gather_s`` how long a rank waits for the others' answers (a hang
+    report, a failed collective; the config's ``answer_timeout_s``); ``beat_s`` how often it publishes
+    its heartbeat.
     """
 
     def __init__(self, timeout_s: float, *, rank: int | None = None, world_size: int | None = None,
                  store: Any = None, on_timeout: Callable[[str], None] | None = None, poll_s: float | None = None,
-                 gather_s: float | None = None, probe: trace.Probe | None = None) -> None:
+                 gather_s: float | None = None, probe: trace.Probe | None = None,
+                 beat_s: float | None = None) -> None:
         self.timeout_s = float(timeout_s)
         self.rank = comm.get_rank() if rank is None else rank
         self.world_size = comm.get_world_size() if world_size is None else world_size
@@ -374,9 +405,12 @@ class Watchdog:
         self.on_timeout = on_timeout or _exit_process
         self.poll_s = poll_s if poll_s is not None else max(0.05, min(0.5, self.timeout_s / 5))
         self.gather_s = gather_s if gather_s is not None else max(1.0, min(5.0, 4 * self.poll_s + 0.5))
+        self.beat_s = beat_s if beat_s is not None else max(self.poll_s, 0.5)
         self._probe = weakref.ref(probe or trace.probe_for())  # its context owns the probe: no cycle through us
         self.report: str | None = None
         self._next_alarm = 1
+        self._beats = 0
+        self._next_beat = 0.0
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
@@ -390,10 +424,11 @@ class Watchdog:
     # -- life cycle ---------------------------------------------------------------------------
 
     def start(self) -> Watchdog:
-        """Start the thread (and publish ``exited`` at interpreter exit)."""
+        """Publish a first heartbeat, start the thread (and publish ``exited`` at interpreter exit)."""
         if self.store is not None:
             try:  # alarms of an earlier watchdog on this store are not ours to answer
                 self._next_alarm = int(self.store.add(STORE_PREFIX + "alarms", 0)) + 1
+                self.beat()  # here, not on the thread: peers see this rank from its start on
             except Exception:
                 pass
         self._thread = threading.Thread(target=self._run, name="microspeed-watchdog", daemon=True)
@@ -409,7 +444,13 @@ class Watchdog:
             self._thread.join(timeout=max(1.0, 2 * self.poll_s))
 
     def _run(self) -> None:
-        while not self._stopped.wait(self.poll_s):
+        while True:
+            try:
+                self.beat()  # every beat_s
+            except Exception as exc:
+                self._say_once(exc)
+            if self._stopped.wait(self.poll_s):
+                return
             if self._probe() is None:  # its engine is gone
                 self._stopped.set()
                 return
@@ -420,9 +461,24 @@ class Watchdog:
                     return
                 self.answer_alarms()
             except Exception as exc:  # a broken store must not kill training; say it once
-                self._errors += 1
-                if self._errors == 1:
-                    print(f"microspeed watchdog (rank {self.rank}): {type(exc).__name__}: {exc}", file=sys.stderr)
+                self._say_once(exc)
+
+    def _say_once(self, exc: BaseException) -> None:
+        self._errors += 1
+        if self._errors == 1:
+            print(f"microspeed watchdog (rank {self.rank}): {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def beat(self) -> None:
+        """Publish this rank's heartbeat (``beat/<rank>``: a counter, its step, the time) if ``beat_s`` passed."""
+        now = time.monotonic()
+        if self.store is None or now < self._next_beat:
+            return
+        self._next_beat = now + self.beat_s
+        self._beats += 1
+        engine = self.probe.engine
+        payload = json.dumps({"n": self._beats, "step": getattr(engine, "global_steps", None), "wall": time.time()})
+        with self._lock:
+            self.store.set(STORE_PREFIX + f"beat/{self.rank}", payload)
 
     # -- detecting ------------------------------------------------------------------------------
 
@@ -438,18 +494,24 @@ class Watchdog:
     def fire(self, state: RankState) -> str:
         """Raise the alarm, gather every rank's state, report, then call ``on_timeout``."""
         states = {self.rank: state}
+        note = ""
         if self.store is not None and self.world_size > 1:
-            states.update(self._gather(state))
+            got, error = self.ask(state.where(), "hang")
+            states.update(got)
+            if error is not None:
+                note = f"the c10d store: {error} (the ranks that did answer are shown)"
         for r in range(self.world_size):
             states.setdefault(r, RankState(r, "no answer"))
         tracer = self.probe.tracer
         path = os.path.join(tracer.directory, f"watchdog_rank{self.rank}.txt") if tracer is not None else None
         ordered = [states[r] for r in sorted(states)]
-        self.report = format_report(ordered, self.rank, self.timeout_s, report_path=path)
+        self.report = format_report(ordered, self.rank, self.timeout_s, report_path=path, answer_s=self.gather_s,
+                                    note=note)
         if path is not None:
             try:
                 with open(path, "w", encoding="utf-8") as f:
-                    f.write(format_report(ordered, self.rank, self.timeout_s, full=True))
+                    f.write(format_report(ordered, self.rank, self.timeout_s, full=True, answer_s=self.gather_s,
+                                          note=note))
             except OSError:
                 pass
         if tracer is not None:
@@ -460,13 +522,25 @@ class Watchdog:
         self.on_timeout(self.report)
         return self.report
 
-    def _gather(self, state: RankState) -> dict[int, RankState]:
+    def ask(self, where: str, why: str) -> tuple[dict[int, RankState], str | None]:
+        """Raise an alarm (``where`` this rank is, ``why``: ``"hang"`` or ``"failed"``) and collect the answers.
+
+        Returns ``({rank: state}, error)``: the states of the other ranks that answered (or had published
+        ``exited``) within ``gather_s``, and ``None``, or the reason the exchange stopped (the store raised,
+        or did not answer: a store behind a cut link blocks until its own timeout, so the exchange runs on a
+        helper thread that is waited for ``gather_s`` + 1 s at most).
+        """
+        got: dict[int, RankState] = {}
+        _, error = _bounded(lambda: self._gather(where, why, got), self.gather_s + 1.0)
+        return dict(got), None if error is None else f"{error} (its host may be lost too)"
+
+    def _gather(self, where: str, why: str, got: dict[int, RankState]) -> None:
         store = self.store
         with self._lock:
             n = int(store.add(STORE_PREFIX + "alarms", 1))
-            store.set(STORE_PREFIX + f"alarm/{n}", json.dumps({"rank": self.rank, "where": state.where()}))
-        self._next_alarm = max(self._next_alarm, n + 1)
-        got: dict[int, RankState] = {}
+            store.set(STORE_PREFIX + f"alarm/{n}", json.dumps({"rank": self.rank, "where": where, "why": why}))
+        # _next_alarm stays: another rank's alarm raised just before this one (its collective failed too) still
+        # needs this rank's answer; answer_alarms passes over this rank's own
         deadline = time.monotonic() + self.gather_s
         pending = [r for r in range(self.world_size) if r != self.rank]
         while pending and time.monotonic() < deadline:
@@ -480,9 +554,64 @@ class Watchdog:
                 if r in got:
                     pending.remove(r)
             if pending:
-                self.answer_alarms()  # another rank may be gathering too
+                self.answer_alarms()  # another rank may be asking too
                 time.sleep(0.05)
-        return got
+
+    # -- a failed collective ---------------------------------------------------------------------
+
+    def explain_failure(self, call: comm.Collective, exc: BaseException) -> comm.LostRanksError | None:
+        """A :class:`~microspeed.comm.LostRanksError` naming the ranks that are gone, for a collective that failed.
+
+        ``exc`` must be a transport error about a peer (connection closed or reset, broken pipe, a
+        timeout); the other ranks are asked (:meth:`ask`, at most ``gather_s`` + 1 s). ``None`` (raise
+        ``exc`` as it is) for another error, on one rank, or when every rank answered.
+        """
+        if self.store is None or self.world_size <= 1 or isinstance(exc, comm.LostRanksError) \
+                or not isinstance(exc, RuntimeError) or not _PEER_LOSS.search(str(exc)):
+            return None
+        what = f"collective {call.op} (group {call.label}, seq {call.seq})"
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        got, error = self.ask(f"its {call.op} #{call.seq} on {call.label} failed: {first_line[:200]}", "failed")
+        head = f"microspeed: {what} failed on rank {self.rank}"
+        if error is not None and not got:
+            return comm.LostRanksError(
+                f"{head}; which ranks are lost is unknown: the c10d store {error}. Original error: {exc}", [], [])
+        lost = [r for r in range(self.world_size) if r != self.rank and got.get(r, RankState(r, "no answer")).kind
+                in ("no answer", "exited")]
+        if not lost:
+            return None
+        answered = sorted(r for r in got if r not in lost) + [self.rank]
+        details = []
+        for r in lost:
+            state = got.get(r)
+            why = (f"exited at step {state.step}" if state is not None and state.step is not None else "exited") \
+                if state is not None else f"no answer within {self.gather_s:g} s"
+            details.append(f"rank {r}: {why}; {self.last_seen(r)}")
+        verb = "is" if len(lost) == 1 else "are"
+        message = (f"{head}: {_ranks_text(lost)} {verb} lost ({'; '.join(details)}); "
+                   f"{_ranks_text(answered)} answered. Original error: {exc}")
+        return comm.LostRanksError(message, lost, sorted(answered))
+
+    def last_seen(self, rank: int) -> str:
+        """``last seen 1.2 s ago (heartbeat at step 7)`` from ``rank``'s heartbeat (the hosts' clocks), or why not."""
+        text, _ = _bounded(lambda: self._read(STORE_PREFIX + f"beat/{rank}"), max(1.0, self.gather_s))
+        if not text:
+            return "no heartbeat seen"
+        try:
+            beat = json.loads(text)
+            ago = max(0.0, time.time() - float(beat["wall"]))
+        except (ValueError, KeyError, TypeError):
+            return "no heartbeat seen"
+        step = beat.get("step")
+        return f"last seen {ago:.1f} s ago" + (f" (heartbeat at step {step})" if step is not None else "")
+
+    def _read(self, key: str) -> bytes | None:
+        with self._lock:
+            return self.store.get(key) if self.store.check([key]) else None
+
+    def peer_watch(self, stale_s: float | None = None) -> PeerWatch:
+        """A :class:`PeerWatch` over this watchdog's store (``stale_s``: default ``max(3, 2 gather_s, 4 beat_s)``)."""
+        return PeerWatch(self, stale_s if stale_s is not None else max(3.0, 2 * self.gather_s, 4 * self.beat_s))
 
     # -- answering -------------------------------------------------------------------------------
 
@@ -492,18 +621,20 @@ class Watchdog:
         if store is None:
             return
         while True:
-            key = STORE_PREFIX + f"alarm/{self._next_alarm}"
-            with self._lock:
+            with self._lock:  # claimed under the lock: the thread and an asking main thread answer each once
+                n = self._next_alarm
+                key = STORE_PREFIX + f"alarm/{n}"
                 if not store.check([key]):
                     return
                 alarm = json.loads(store.get(key))
-            n, self._next_alarm = self._next_alarm, self._next_alarm + 1
+                self._next_alarm = n + 1
             if alarm.get("rank") == self.rank:
                 continue
             state = capture(self.rank, self.probe)
             with self._lock:
                 store.set(STORE_PREFIX + f"state/{n}/{self.rank}", state.to_json())
-            print(f"microspeed watchdog: rank {alarm.get('rank')} reported a hang ({alarm.get('where')}); "
+            asked = "reported a hang" if alarm.get("why", "hang") == "hang" else "asks which ranks are alive"
+            print(f"microspeed watchdog: rank {alarm.get('rank')} {asked} ({alarm.get('where')}); "
                   f"rank {self.rank} is {state.where()}", file=sys.stderr, flush=True)
             tracer = self.probe.tracer
             if tracer is not None:
@@ -535,6 +666,74 @@ class Watchdog:
                     self._lock.release()
         except Exception:
             pass
+
+
+class PeerWatch:
+    """Which ranks are gone, from the store: those that published ``exited``, and those whose heartbeat
+    counter has not moved for ``stale_s`` seconds of this watch (made by :meth:`Watchdog.peer_watch`).
+
+    Keep one watch for the whole wait: a rank is judged on what this watch saw change.
+    """
+
+    def __init__(self, watchdog: Watchdog, stale_s: float) -> None:
+        self.watchdog = watchdog
+        self.stale_s = float(stale_s)
+        self._seen: dict[int, tuple[bytes | None, float]] = {}  # rank -> (its last heartbeat, when it changed)
+
+    def lost(self, ranks: list[int]) -> dict[int, str]:
+        """``{rank: why}`` for the ranks of ``ranks`` that are gone now (empty: all alive, as far as one can tell).
+
+        Raises ``ConnectionError`` when the store raised or did not answer within the watchdog's
+        ``gather_s`` + 1 s (its host may be gone too: nobody can tell).
+        """
+        wd = self.watchdog
+        if wd.store is None:
+            return {}
+        found, error = _bounded(lambda: self._scan(ranks), wd.gather_s + 1.0)
+        if error is not None:
+            raise ConnectionError(f"the c10d store {error}; the ranks' liveness cannot be read")
+        return found
+
+    def _scan(self, ranks: list[int]) -> dict[int, str]:
+        wd, now, out = self.watchdog, time.monotonic(), {}
+        for r in ranks:
+            exited = wd._read(STORE_PREFIX + f"exited/{r}")
+            if exited is not None:
+                step = RankState.from_json(exited).step
+                out[r] = "exited (its process ended" + (f" at step {step})" if step is not None else ")")
+                continue
+            beat = wd._read(STORE_PREFIX + f"beat/{r}")
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != beat:
+                self._seen[r] = (beat, now)
+            elif now - seen[1] > self.stale_s:
+                out[r] = (f"no heartbeat for {now - seen[1]:.1f} s (its process or host is gone, or its link "
+                          f"is cut); {wd.last_seen(r)}")
+        return out
+
+
+def _bounded(fn: Callable[[], Any], seconds: float) -> tuple[Any, str | None]:
+    """``(fn(), None)``, run on a helper thread waited for ``seconds`` at most; else ``(None, why)``.
+
+    A c10d store whose host is gone behind a cut link blocks a call until the store's own timeout
+    (minutes); the helper thread is left to it (a daemon) and the caller goes on.
+    """
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    helper = threading.Thread(target=run, name="microspeed-watchdog-store", daemon=True)
+    helper.start()
+    helper.join(seconds)
+    if helper.is_alive():
+        return None, f"did not answer within {seconds:g} s"
+    if "error" in box:
+        return None, f"raised {type(box['error']).__name__}: {box['error']}"
+    return box.get("result"), None
 
 
 def _exit_process(report: str) -> None:
@@ -569,7 +768,8 @@ def _make_store(world_size: int, timeout_s: float) -> Any:
 
 
 def start(timeout_s: float, context: comm.CommContext | None = None, **kwargs: Any) -> Watchdog:
-    """Start the watchdog of ``context`` (default: the current one), or set its running one's timeout.
+    """Start the watchdog of ``context`` (default: the current one), or set its running one's timeout (and
+    ``gather_s``, when given).
 
     Marks the context's probe as needed; the caller instruments its plugin manager with
     :func:`microspeed.observe.trace.instrument`. The thread stops when the context is collected.
@@ -578,6 +778,8 @@ def start(timeout_s: float, context: comm.CommContext | None = None, **kwargs: A
     running = context.watchdog
     if running is not None and not running._stopped.is_set():
         running.timeout_s = float(timeout_s)
+        if kwargs.get("gather_s") is not None:
+            running.gather_s = float(kwargs["gather_s"])
         return running
     probe = trace.probe_for(context)
     probe.watching = True
