@@ -7,6 +7,7 @@ a process that dies mid-save leaves ``latest`` on the previous complete save.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,9 @@ import torch
 
 import microspeed
 from microspeed.checkpoint import CheckpointError, read_latest
-from microspeed.testing import run_distributed
+from microspeed.checkpoint.storage import data_file
+from microspeed.observe import watchdog
+from microspeed.testing import DistributedTestError, run_distributed
 
 
 def _engine(seed: int, **checkpoint):
@@ -183,3 +186,53 @@ def test_interval_async_saves_on_two_ranks_and_a_rank_whose_writer_fails(tmp_pat
         assert r["latest_after"] == "global_step4" and r["resumed_step"] == 4
         assert r["resumed"] == r["ref"]
     assert out[0]["losses"][:4] == out[0]["ref_first"]
+
+
+def _rank_one_dies_while_writing(root: str) -> None:
+    """Rank 1's process dies in the middle of its background write of tag "bad" (its writer ends the process)."""
+    rank = torch.distributed.get_rank()
+    engine = _engine(0, async_save=True)
+    _train(engine, 0, 1)
+    engine.save_checkpoint(root, tag="good")
+    engine.wait_for_checkpoint()
+    torch.distributed.barrier()  # "good" is published (rank 0's wait returned after latest was written)
+    if rank == 1:
+        import microspeed.checkpoint.saving as saving
+
+        def dying(tmp, r, buffer, layout, rng=None):
+            with open(os.path.join(tmp, data_file(r)), "wb") as f:
+                f.write(b"half of a file")
+            os._exit(9)  # a node lost mid-write: no exit handler runs, no failed marker is left
+
+        saving.write_rank_file = dying
+    _train(engine, 1, 1)
+    began = time.monotonic()
+    engine.save_checkpoint(root, tag="bad")  # returns; the writers work in the background
+    if rank == 1:
+        time.sleep(60)  # its writer ends the process
+    error = None
+    try:
+        engine.wait_for_checkpoint()
+    except CheckpointError as exc:
+        error = str(exc)
+    with open(os.path.join(root, "rank0.json"), "w") as f:
+        json.dump({"error": error, "seconds": time.monotonic() - began, "latest": read_latest(root)}, f)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_rank_that_dies_mid_save_ends_rank_0s_wait_and_nothing_is_published(tmp_path):
+    with pytest.raises(DistributedTestError) as info:  # rank 1 died: the run fails; rank 0 wrote what it saw
+        run_distributed(_rank_one_dies_while_writing, world_size=2, args=(str(tmp_path),), timeout=90,
+                        grace_period=40, env={watchdog.ENV_VAR: "60"})
+    failures = {f.rank: f for f in info.value.failures}
+    assert list(failures) == [1] and failures[1].kind == "died" and failures[1].exitcode == 9, info.value
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    error = seen["error"]
+    assert error is not None and "checkpoint 'bad' in " in error and "rank 1 died before finishing its checkpoint " \
+        "files (rank 1: no heartbeat for " in error and "the save is not published. latest still names 'good'." \
+        in error, error
+    assert "__1_0.index" in error  # the file it did not write
+    assert seen["seconds"] < 15.0  # the heartbeats' staleness (5 s here), not the 60 s timeout or 30 minutes
+    assert seen["latest"] == "good" and read_latest(str(tmp_path)) == "good"
+    assert not os.path.exists(tmp_path / "bad")

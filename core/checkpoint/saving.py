@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from microspeed.checkpoint.layout import (
     _publish,
     _short,
     new_manifest,
+    read_latest,
 )
 from microspeed.checkpoint.manifest import pack, split
 from microspeed.checkpoint.names import (
@@ -146,6 +149,8 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     buffer, rng = saver.staging.buffer, _rng_state()
 
     if async_save:
+        wait_s, lost = _peers_watched(engine) if rank == 0 and world > 1 else (0.0, None)
+
         def write() -> None:
             try:
                 write_rank_file(tmp, rank, buffer, layout, rng)
@@ -153,7 +158,15 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
                 mark_failed(tmp, rank, f"{os.path.join(tmp, data_file(rank))}: {type(exc).__name__}: {exc}")
                 raise
             if rank == 0:
-                finalize(tmp, world, manifest)
+                try:
+                    finalize(tmp, world, manifest, timeout_s=wait_s, lost=lost)
+                except CheckpointError as exc:
+                    latest = read_latest(save_dir)
+                    after = f"latest still names {latest!r}." if latest else "there is no latest yet."
+                    error = CheckpointError(f"checkpoint {tag!r} in {save_dir}: {exc} {after}", exc.path)
+                    # said now: with a rank gone, the next collective fails before the next save would say it
+                    print(f"microspeed: {error}", file=sys.stderr, flush=True)
+                    raise error from exc
                 _publish(save_dir, tag, tmp, save_latest)
 
         saver.start(write, os.path.join(tmp, data_file(rank)))
@@ -172,6 +185,25 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         _publish(save_dir, tag, tmp, save_latest)
     comm.barrier()
     return True
+
+
+UNWATCHED_WAIT_S = 1800.0
+"""How long rank 0 waits for the other ranks to finish writing an asynchronous save when no watchdog runs."""
+
+
+def _peers_watched(engine: Any) -> tuple[float, Callable[[list[int]], dict[int, str]] | None]:
+    """Rank 0's wait for the other ranks' files: ``(seconds at most, lost)``.
+
+    With the engine's watchdog running: its ``timeout_s``, and its heartbeats say which ranks are gone
+    (:meth:`~microspeed.observe.watchdog.Watchdog.peer_watch`), so a rank that died ends the wait at once.
+    Without: :data:`UNWATCHED_WAIT_S` and nobody to ask.
+    """
+    from microspeed.observe import watchdog
+
+    wd = watchdog.current(comm.context_for(engine.plugins))
+    if wd is None or wd.store is None:
+        return UNWATCHED_WAIT_S, None
+    return wd.timeout_s, wd.peer_watch().lost
 
 
 def _fingerprint(data: bytes) -> int:

@@ -26,7 +26,10 @@ a :class:`CheckpointError` naming the file. Checkpoints written before (DCP's pe
 **Completion marker.** After its data file is written and synced, each rank writes
 ``__<rank>_0.index`` (its items, offsets, checksums); rank 0 merges them once all are there
 (:func:`finalize`), writes ``.metadata`` and the manifest, and only then may ``latest`` name the tag.
-A rank whose writer failed leaves ``__<rank>_0.failed`` (the error, naming the file) instead.
+A rank whose writer failed leaves ``__<rank>_0.failed`` (the error, naming the file) instead. A rank
+that dies while writing leaves nothing: rank 0's wait also asks whether the missing ranks are still
+alive (``lost``: the watchdog's heartbeats, :meth:`microspeed.observe.watchdog.Watchdog.peer_watch`) and
+ends as soon as one is gone, publishing nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import pickle
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +70,7 @@ CHECKSUM = "crc32"
 
 _ALIGN = 64
 _POLL_S = 0.02
+_LIVENESS_S = 0.5  # how often rank 0's wait asks whether the ranks it waits for are alive
 
 
 def data_file(rank: int) -> str:
@@ -272,10 +276,16 @@ def mark_failed(tmp: str, rank: int, message: str) -> None:
         pass
 
 
-def _wait_for_indexes(tmp: str, world: int, timeout_s: float) -> list[dict[str, Any]]:
-    """Every rank's index (rank 0 polls for them); a failed marker or the timeout raise."""
+def _wait_for_indexes(tmp: str, world: int, timeout_s: float,
+                      lost: Callable[[list[int]], dict[int, str]] | None = None) -> list[dict[str, Any]]:
+    """Every rank's index (rank 0 polls for them); a failed marker, a rank ``lost`` names, or the timeout raise.
+
+    ``lost(ranks)`` returns ``{rank: why}`` for those of ``ranks`` that are gone (it may raise
+    ``ConnectionError`` when it cannot tell); asked every :data:`_LIVENESS_S` about the ranks not yet done.
+    """
     deadline = time.monotonic() + timeout_s
     found: dict[int, dict[str, Any]] = {}
+    next_look = time.monotonic() + _LIVENESS_S
     while True:
         for r in range(world):
             if r in found:
@@ -291,6 +301,21 @@ def _wait_for_indexes(tmp: str, world: int, timeout_s: float) -> list[dict[str, 
                     found[r] = unpack(fh.read())
         if len(found) == world:
             return [found[r] for r in range(world)]
+        if lost is not None and time.monotonic() >= next_look:
+            missing = [r for r in range(world) if r not in found]
+            try:
+                gone = lost(missing)
+            except ConnectionError as exc:
+                raise CheckpointError(f"save_checkpoint: cannot tell whether ranks {missing} are still writing: {exc}; "
+                                      f"the save is not published.", tmp) from exc
+            if gone:
+                whys = "; ".join(f"rank {r}: {why}" for r, why in sorted(gone.items()))
+                first = os.path.join(tmp, index_file(min(gone)))
+                raise CheckpointError(f"save_checkpoint: rank{'s' if len(gone) > 1 else ''} "
+                                      f"{', '.join(map(str, sorted(gone)))} died before finishing "
+                                      f"{'their' if len(gone) > 1 else 'its'} checkpoint files ({whys}; missing "
+                                      f"{first}); the save is not published.", first)
+            next_look = time.monotonic() + _LIVENESS_S
         if time.monotonic() > deadline:
             missing = [os.path.join(tmp, index_file(r)) for r in range(world) if r not in found]
             raise CheckpointError(f"save_checkpoint: ranks {[r for r in range(world) if r not in found]} did not "
@@ -299,12 +324,15 @@ def _wait_for_indexes(tmp: str, world: int, timeout_s: float) -> list[dict[str, 
         time.sleep(_POLL_S)
 
 
-def finalize(tmp: str, world: int, manifest: dict[str, Any], timeout_s: float = 1800.0) -> None:
+def finalize(tmp: str, world: int, manifest: dict[str, Any], timeout_s: float = 1800.0,
+             lost: Callable[[list[int]], dict[int, str]] | None = None) -> None:
     """Rank 0: wait for every rank's index, then write ``.metadata`` and the manifest (with the checksums).
 
-    The caller publishes the tag afterwards; until then nothing names it.
+    The wait ends with a :class:`CheckpointError` after ``timeout_s``, or as soon as ``lost`` (see
+    :func:`_wait_for_indexes`) names a rank that is gone. The caller publishes the tag afterwards; until
+    then nothing names it.
     """
-    indexes = _wait_for_indexes(tmp, world, timeout_s)
+    indexes = _wait_for_indexes(tmp, world, timeout_s, lost)
     state: dict[str, TensorStorageMetadata] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     files: dict[str, Any] = {}
