@@ -13,6 +13,7 @@ import pytest
 from microspeed.cli import elastic, multinode
 from microspeed.cli import run as run_cli
 from microspeed.errors import ConfigError
+from microspeed.testing import free_port
 
 
 @pytest.fixture
@@ -292,3 +293,45 @@ def test_rendezvous_local_address_is_not_localhost(monkeypatch):
     monkeypatch.setattr(socket, "getfqdn", lambda *a: "")
     monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [(2, 1, 6, "", ("10.1.2.3", 0))])
     assert elastic.rendezvous_local_addr("192.0.2.1:29400") is None  # a real name: torch's choice
+
+
+def test_the_launcher_can_host_the_rendezvous():
+    """An elastic ssh launch hosts the c10d store in the launcher (no training node is special): its address is the
+    one that reaches node 0, and a taken port is an error naming the fix."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    assert multinode.launcher_address("127.0.0.1") == "127.0.0.1"
+    assert multinode.launcher_address("not a host name") is None
+    port = free_port()
+    store = multinode.host_rendezvous("127.0.0.1", port)
+    client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    client.set("k", "v")
+    assert store.get("k") == b"v"
+    del client, store
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(multinode.LaunchError, match="give a free --master_port, or --master_addr"):
+            multinode.host_rendezvous("127.0.0.1", busy.getsockname()[1])
+
+
+@pytest.mark.timeout(180)
+def test_each_restart_prints_the_failure_summary(tmp_path):
+    """An elastic agent restarts failed workers silently; microspeed run prints why each time (here: the first
+    attempt raises, the second succeeds)."""
+    import subprocess
+
+    (tmp_path / "train.py").write_text(
+        "import os\nif os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n    raise ValueError('first attempt fails')\n"
+        "print('second attempt ran')\n")
+    res = subprocess.run([sys.executable, "-m", "microspeed.cli", "run", "--nproc-per-node", "1", "--max-restarts",
+                          "1", "--master-port", str(free_port()), "train.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=150, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    assert "microspeed run: the workers failed; the agent restarts them (1 restart(s) left):" in res.stderr
+    assert "microspeed run: rank 0 failed" in res.stderr and "ValueError: first attempt fails" in res.stderr
+    assert "second attempt ran" in res.stdout

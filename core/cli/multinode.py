@@ -31,6 +31,12 @@ host): its agent joins the rendezvous and the running agents restart the job at 
 the newest complete checkpoint (``checkpoint.auto_resume_dir``); and, once a node finished the job, stop the nodes
 still running after :data:`STOP_GRACE_S` (an agent that joined late would wait in the rendezvous for a job that
 ended).
+
+An elastic ssh launch without ``--master_addr`` hosts the c10d rendezvous store in the launcher itself (a
+``TCPStore`` at the launcher's address that reaches node 0, :func:`launcher_address`, port ``--master_port``), so
+no training node is special: any of them may be lost and come back. The launcher's machine must then stay up
+for the whole job (as with ssh, it holds every node's session). With ``--master_addr`` the rendezvous is there
+and the node at that address hosts it (its loss ends the job, as with torchrun's c10d backend).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -287,6 +294,33 @@ def first_address(host: str, ssh_args: Sequence[str] = (), port: int | None = No
         raise LaunchError(f"cannot find {host}'s address with `hostname -I` over ssh: give --master_addr (an "
                           f"address of the first host that every host can reach)")
     return words[0]
+
+
+def launcher_address(peer: str) -> str | None:
+    """This machine's address on the route to ``peer`` (a UDP socket's source address once connected to it:
+    nothing is sent), or ``None`` when there is no route or ``peer`` does not resolve."""
+    try:
+        family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def host_rendezvous(addr: str, port: int) -> object:
+    """Start the c10d rendezvous store of an elastic launch in this process (a ``TCPStore`` server at
+    ``addr:port``; it serves as long as the returned object lives); :class:`LaunchError` when the port is taken."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                        timeout=datetime.timedelta(seconds=60))
+    except Exception as exc:  # RuntimeError / DistNetworkError from the C++ side
+        raise LaunchError(f"cannot host the rendezvous at {addr}:{port} ({exc}): give a free --master_port, or "
+                          f"--master_addr to have that node host it") from None
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -584,9 +618,13 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
                        script=script, torchrun_args=torchrun_args, run_flags=run_flags,
                        stop_with_stdin=launcher == "ssh",
                        pid_file=f"/tmp/microspeed-run-{job}.pid" if launcher == "pdsh" else None)
-    if elastic is not None:  # one c10d rendezvous on node 0's address; no node ranks
+    if elastic is not None:  # one c10d rendezvous; no node ranks
         node.nnodes, node.rendezvous, node.rdzv_id, node.max_restarts = elastic.nnodes, "c10d", job, \
             elastic.max_restarts
+        here = launcher_address(master) if launcher == "ssh" and not opts.master_addr and master else None
+        if here:  # the launcher hosts it: no node is special
+            node.master_addr = here
+            result["rendezvous"] = (here, opts.master_port)
     result["node"], result["elastic"] = node, elastic
     if launcher == "ssh":
         ssh_args = launcher_args
@@ -629,10 +667,23 @@ def main(args: Sequence[str]) -> int:
               file=sys.stderr)
         return 1
     hosts = ", ".join(f"{h} ({len(s)})" for h, s in launch["hosts"].items())
-    print(f"microspeed run: {launcher} launch on {len(launch['hosts'])} nodes: {hosts}; master "
+    store = None
+    if "rendezvous" in launch:
+        try:
+            store = host_rendezvous(*launch["rendezvous"])
+        except LaunchError as exc:
+            print(f"microspeed run: error: {exc}", file=sys.stderr)
+            return 1
+        where = "rendezvous hosted here (elastic: any node may be lost)"
+    else:
+        where = "master"
+    print(f"microspeed run: {launcher} launch on {len(launch['hosts'])} nodes: {hosts}; {where} "
           f"{launch['node'].master_addr}:{launch['node'].master_port}", file=sys.stderr, flush=True)
     if launcher == "ssh":
         elastic = launch["elastic"]
-        return run_ssh_nodes(launch["argvs"], elastic=elastic is not None, probes=launch.get("probes"),
-                             rejoins=elastic.max_restarts if elastic is not None else 0)
+        try:
+            return run_ssh_nodes(launch["argvs"], elastic=elastic is not None, probes=launch.get("probes"),
+                                 rejoins=elastic.max_restarts if elastic is not None else 0)
+        finally:
+            del store
     return run_one(launch["argv"], launch["env"], launch.get("kill_argv"))

@@ -231,6 +231,7 @@ def launch(args: Sequence[str]) -> int:
     quiet = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
     for name in quiet:
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    restore = _report_restarts() if opts.max_restarts > 0 else None
     try:
         torchrun.run(opts)
     except ChildFailedError as exc:
@@ -249,9 +250,41 @@ def launch(args: Sequence[str]) -> int:
     finally:
         for name, level in quiet.items():
             logging.getLogger(name).setLevel(level)
+        if restore is not None:
+            restore()
     if own_log_dir:
         shutil.rmtree(opts.log_dir, ignore_errors=True)
     return 0
+
+
+def _report_restarts() -> Any:
+    """Print the failure summary each time torchrun's agent restarts failed workers (``--max-restarts``): without
+    it an elastic job restarts silently (the summary is printed only when no restart is left). Wraps the agent's
+    ``_monitor_workers``; returns the function that unwraps it (``None`` where torch's agent has no such method)."""
+    try:
+        from torch.distributed.elastic.agent.server.api import WorkerState
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    except ImportError:
+        return None
+    original = getattr(LocalElasticAgent, "_monitor_workers", None)
+    if original is None:
+        return None
+
+    def monitor(self: Any, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        left = getattr(self, "_remaining_restarts", 0)
+        if result.state == WorkerState.FAILED and result.failures and left > 0:
+            text, _ = describe_failure(result.failures)
+            print(f"microspeed run: the workers failed; the agent restarts them ({left} restart(s) left):\n{text}",
+                  file=sys.stderr, flush=True)
+        return result
+
+    LocalElasticAgent._monitor_workers = monitor
+
+    def restore() -> None:
+        LocalElasticAgent._monitor_workers = original
+
+    return restore
 
 
 # ------------------------------------------------------------------------------------------------------
