@@ -232,7 +232,9 @@ class Engine(torch.nn.Module):
                 self.zero_grad()
                 self.global_steps += 1
                 self.global_samples += self.train_batch_size()
+                self.micro_steps += 1  # counted before the hook: a save made there is at the window's end
                 self.hook.microspeed_after_global_step(engine=self)
+                return
         self.micro_steps += 1
 
     def train_batch(self, data_iter: Any = None) -> torch.Tensor:

@@ -465,7 +465,8 @@ def microspeed_after_step(engine: Engine, outcome: StepOutcome) -> None:
 
 @hookspec
 def microspeed_after_global_step(engine: Engine) -> None:
-    """Notification: counters advanced (``engine.global_steps`` is the new value); log here."""
+    """Notification: counters advanced (``engine.global_steps`` is the new value, ``engine.micro_steps`` counts the
+    micro-step that ended the window); log here."""
 
 
 # -------------------------------------------------------------------------------- checkpoint

@@ -13,21 +13,23 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
 
 import microspeed
-from microspeed.checkpoint import CheckpointError, read_latest
+from microspeed import checkpoint
+from microspeed.checkpoint import CheckpointError, CheckpointWarning, read_latest
 from microspeed.checkpoint.storage import data_file
 from microspeed.observe import watchdog
 from microspeed.testing import DistributedTestError, run_distributed
 
 
-def _engine(seed: int, **checkpoint):
+def _engine(seed: int, gas: int = 1, **checkpoint):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "steps_per_print": 1000,
            "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
     if checkpoint:
         cfg["checkpoint"] = checkpoint
@@ -142,6 +144,24 @@ def test_interval_keys_are_checked():
         _engine(0, save_interval_steps=3)
     with pytest.raises(microspeed.ConfigError, match=r"checkpoint\.save_interval_steps"):
         _engine(0, save_interval_steps=0, save_dir="/tmp/x")
+
+
+def test_a_periodic_save_is_at_a_window_boundary_when_loaded_at_another_accumulation_count(tmp_path):
+    """The periodic save runs in after_global_step: the micro-step that ended the window is counted by then."""
+    run = str(tmp_path / "run")
+    engine = _engine(0, gas=2, save_dir=run, save_interval_steps=2)
+    _train(engine, 0, 8)  # 8 micro-steps: optimizer steps 1-4, saves at 2 and 4
+    assert read_latest(run) == "global_step4"
+    assert checkpoint.read_manifest(os.path.join(run, "global_step4"))["counters"]["micro_steps"] == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)  # no "inside an accumulation window" here
+        other = _engine(1, gas=4)
+        other.load_checkpoint(run)
+    assert (other.global_steps, other.micro_steps) == (4, 16)
+    _train(engine, 8, 1)  # one micro-step into the next window
+    engine.save_checkpoint(str(tmp_path / "mid"))
+    with pytest.warns(CheckpointWarning, match="inside a gradient-accumulation window"):
+        _engine(1, gas=4).load_checkpoint(str(tmp_path / "mid"))
 
 
 def _two_ranks(root: str) -> dict:
