@@ -570,6 +570,7 @@ class Watchdog:
                 or not isinstance(exc, RuntimeError) or not _PEER_LOSS.search(str(exc)):
             return None
         what = f"collective {call.op} (group {call.label}, seq {call.seq})"
+        failed_at = time.time()
         first_line = (str(exc).strip().splitlines() or [""])[0]
         got, error = self.ask(f"its {call.op} #{call.seq} on {call.label} failed: {first_line[:200]}", "failed")
         head = f"microspeed: {what} failed on rank {self.rank}"
@@ -586,24 +587,28 @@ class Watchdog:
             state = got.get(r)
             why = (f"exited at step {state.step}" if state is not None and state.step is not None else "exited") \
                 if state is not None else f"no answer within {self.gather_s:g} s"
-            details.append(f"rank {r}: {why}; {self.last_seen(r)}")
+            details.append(f"rank {r}: {why}; {self.last_seen(r, failed_at)}")
         verb = "is" if len(lost) == 1 else "are"
         message = (f"{head}: {_ranks_text(lost)} {verb} lost ({'; '.join(details)}); "
                    f"{_ranks_text(answered)} answered. Original error: {exc}")
         return comm.LostRanksError(message, lost, sorted(answered))
 
-    def last_seen(self, rank: int) -> str:
-        """``last seen 1.2 s ago (heartbeat at step 7)`` from ``rank``'s heartbeat (the hosts' clocks), or why not."""
+    def last_seen(self, rank: int, at: float | None = None) -> str:
+        """``last seen 1.2 s ago (heartbeat at step 7)`` from ``rank``'s heartbeat (the hosts' clocks), or why not.
+
+        With ``at`` (a ``time.time()``): ``last seen 0.3 s before the failure`` (``at`` is when it failed).
+        """
         text, _ = _bounded(lambda: self._read(STORE_PREFIX + f"beat/{rank}"), max(1.0, self.gather_s))
         if not text:
             return "no heartbeat seen"
         try:
             beat = json.loads(text)
-            ago = max(0.0, time.time() - float(beat["wall"]))
+            ago = max(0.0, (time.time() if at is None else at) - float(beat["wall"]))
         except (ValueError, KeyError, TypeError):
             return "no heartbeat seen"
         step = beat.get("step")
-        return f"last seen {ago:.1f} s ago" + (f" (heartbeat at step {step})" if step is not None else "")
+        return f"last seen {ago:.1f} s {'ago' if at is None else 'before the failure'}" + \
+            (f" (heartbeat at step {step})" if step is not None else "")
 
     def _read(self, key: str) -> bytes | None:
         with self._lock:
