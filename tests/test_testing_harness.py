@@ -337,3 +337,30 @@ def test_ranks_get_the_callers_environment_at_the_call_and_start_from_the_fork_s
     monkeypatch.setenv("MICROSPEED_TEST_START_METHOD", "fork")
     with pytest.raises(ValueError, match="MICROSPEED_TEST_START_METHOD='fork': expected 'forkserver' or 'spawn'"):
         run_distributed(_env_and_process, 1, args=(keys,))
+
+
+def _print_both(text):
+    import sys as _sys
+
+    print(f"out {text}", flush=True)
+    print(f"err {text}", file=_sys.stderr, flush=True)
+
+
+def test_ranks_write_to_the_callers_current_stdout_and_stderr(tmp_path):
+    """A rank forked from a server started earlier (under other descriptors, e.g. another test's capture) still
+    writes where the caller's descriptors 1 and 2 point now."""
+    run_distributed(_print_both, 1, args=("warm",))  # the fork server exists from here on
+    saved = os.dup(1), os.dup(2)
+    files = tmp_path / "out.txt", tmp_path / "err.txt"
+    try:
+        for target, path in zip((1, 2), files, strict=True):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(fd, target)
+            os.close(fd)
+        run_distributed(_print_both, 2, args=("now",))
+    finally:
+        for target, fd in zip((1, 2), saved, strict=True):
+            os.dup2(fd, target)
+            os.close(fd)
+    assert files[0].read_text().count("out now") == 2 and "err now" not in files[0].read_text()
+    assert files[1].read_text().count("err now") == 2

@@ -475,6 +475,36 @@ def start_context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
+class _CallerStdio:
+    """Pickles as the caller's current stdout and stderr file descriptors, sent with the rank's start.
+
+    A forked rank would otherwise write to its fork server's descriptors, those of the test that started the
+    server (pytest's capture of that test), not the current caller's. ``multiprocessing.reduction.DupFd``
+    must run while the process is being started (it hands the descriptors to the start), so here in
+    ``__reduce__``; the rank gets :class:`_StdioFds`.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_StdioFds, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+class _StdioFds:
+    """The caller's stdout and stderr in a rank; :meth:`apply` makes them the rank's descriptors 1 and 2."""
+
+    def __init__(self, out: Any, err: Any) -> None:
+        self.out, self.err = out, err
+
+    def apply(self) -> None:
+        """``dup2`` them onto descriptors 1 and 2 (Python's ``sys.stdout``/``sys.stderr`` write there)."""
+        for target, wrapped in ((1, self.out), (2, self.err)):
+            fd = wrapped.detach()
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -489,10 +519,13 @@ def _worker(
     stack_dir: str,
     warning_filters: list[Any] = (),
     base_env: dict[str, str] | None = None,
+    stdio: _StdioFds | None = None,
 ) -> None:
     """Entry point of a rank: set up the environment, run the function, report through ``results``."""
     global _in_worker
     _in_worker = True
+    if stdio is not None:
+        stdio.apply()
     _exit_with_parent()
     for entry in reversed(warning_filters):
         warnings.filterwarnings(entry[0], message=entry[1], category=entry[2], module=entry[3], lineno=entry[4])
@@ -700,6 +733,7 @@ def _run_once(
                         stack_dir,
                         _our_error_filters(),
                         base_env,
+                        _CallerStdio(),
                     ),
                 )
                 try:
