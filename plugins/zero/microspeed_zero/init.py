@@ -111,12 +111,16 @@ _FILE_COUNTER = itertools.count()
 
 def _file_backed(shard: torch.Tensor, folder: str, p: Any) -> torch.Tensor:
     """A CPU tensor with ``shard``'s values whose storage is a memory-mapped file in ``folder``: the
-    operating system keeps its pages on the NVMe (or any) disk, not in this process's memory."""
+    operating system keeps its pages on the NVMe (or any) disk, not in this process's memory.
+
+    The values are written with ``write()``, then the file is mapped untouched: a page enters the process's
+    resident set only when read (a mapping filled through its pages would hold the whole model resident)."""
     os.makedirs(folder, exist_ok=True)
     _remove_file(p)
     path = os.path.join(folder, f"param{os.getpid()}_{next(_FILE_COUNTER)}.bin")
+    with open(path, "wb") as fh:
+        fh.write(memoryview(shard.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     out = torch.from_file(path, shared=True, size=shard.numel(), dtype=shard.dtype)
-    out.copy_(shard)
     p._zero_init_file = path
     return out
 
