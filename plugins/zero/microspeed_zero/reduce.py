@@ -8,7 +8,10 @@
 * **Stages 2 and 3** reduce every micro-step: when a segment's gradients are all there, they are
   copied into a staging bucket, the parameters' ``.grad`` freed, and the bucket reduced
   asynchronously; the rank's slice of the result is added to its gradient partition. At most
-  two buckets are in flight, so gradient memory stays a partition plus two buckets. When a schedule
+  two buckets are in flight, so gradient memory stays a partition plus two buckets. With the optimizer on
+  NVMe the partition itself is not in memory: the slice is read back (from the second micro-step of a
+  window on, launched with the reduction), added to and written to the files
+  (:class:`~microspeed_zero.grad_swap.GradientSwapper`). When a schedule
   runs several chunks (an interleaved pipeline), the end of a chunk's backward reduces that chunk's
   segments only (the runtime cuts segments within one chunk).
 
@@ -79,6 +82,7 @@ class GradientReducer:
         self.launched: set[int] = set()
         self.pending: deque[tuple[Segment, tuple, Any]] = deque()
         self.on_reduced: Any = None  # stage 3: release a segment's parameters once its gradients are staged
+        self.gradients: Any = None  # optimizer on NVMe: the GradientSwapper holding the partitions in files
         self.by_param: dict[int, Segment] = {id(p): s for s in segments for p in s.params}
 
     # -- autograd hook entry -----------------------------------------------------------------
@@ -108,6 +112,8 @@ class GradientReducer:
             wire, pooled = self._stage(seg)
             if self.on_reduced is not None:  # the reduction reads the staged gradients, not the parameters
                 self.on_reduced(seg)
+            if self.gradients is not None and self.gradients.holds(seg.index):
+                self.gradients.prefetch(seg.index)  # read back what this window holds, behind the collective
         if self.scaling.pre != 1.0:
             wire.mul_(self.scaling.pre)
         collective = self.collectives[id(seg.group)]
@@ -139,7 +145,7 @@ class GradientReducer:
         if work is not None:
             work.wait()
         wire, out, pooled = bufs
-        acc = self.acc[seg.index]
+        acc = self.acc.get(seg.index)  # None: the slice lives in the NVMe files (self.gradients)
         post = self.scaling.post
         collective = self.collectives[id(seg.group)]
         if self.stage == 1 and not collective.needs_out:  # whole bucket all-reduced in place
@@ -158,10 +164,14 @@ class GradientReducer:
                 if post != 1.0:
                     target.mul_(post)
             else:
+                files = self.gradients if self.gradients is not None and self.gradients.holds(seg.index) else None
+                whole = acc = files.acquire(seg.index) if files is not None else acc
                 if rows[0].numel() < acc.numel():  # a single-parameter segment reduced without padding
                     acc = acc[:rows[0].numel()]
                 for row in rows:
                     acc.add_(row, alpha=post)
+                if files is not None:
+                    files.release(seg.index, whole)
         self.pool.put(out)
         self.pool.put(pooled)
 

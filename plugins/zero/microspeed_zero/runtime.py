@@ -6,7 +6,9 @@ Built by :class:`microspeed_zero.plugin.ZeroPlugin`; kept on the engine as
 1. backward: gradients are reduced into this rank's partition (:mod:`microspeed_zero.reduce`);
 2. ``step()``: overflow check (fp16) across ranks, global norm from the partitions (squares
    summed over the data-parallel group), one coefficient for unscaling and clipping, the inner
-   optimizer on this rank's runs, masters copied into the parameters' slice;
+   optimizer on this rank's runs, masters copied into the parameters' slice (with the optimizer on NVMe,
+   :mod:`microspeed_zero.swap` streams masters, state and — stages 2, 3 — the gradient partition, which
+   backward writes to its files as it reduces: :mod:`microspeed_zero.grad_swap`);
 3. stages 1 and 2: each segment's updated slices are all-gathered into the flat parameter
    buffer. With ``overlap_comm`` segments are stepped in forward order, each gather launched as
    soon as its segment is stepped, and waited for only by the forward pre-hook of the first
@@ -51,6 +53,8 @@ _METADATA = frozenset({
 })
 """Uses of a parameter that do not read its values: no need to wait for its pending gather."""
 
+_LAZY_MASTER = torch.zeros(1)  # what an NVMe optimizer's masters view until its swapper writes them from the shards
+
 
 class ZeroRuntime:
     """ZeRO stages 1–3 for one engine (see the module docstring)."""
@@ -77,7 +81,8 @@ class ZeroRuntime:
         self.scaling = Scaling(self.world, c["prescale_gradients"], c["gradient_predivide_factor"])
         wire = c["communication_data_type"]
         self.wire_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}.get(wire)
-        self.swapper: Any = None
+        self._swapper: Any = None
+        self.lazy_masters: set[int] = set()  # NVMe optimizer: masters not built yet (the swapper writes them)
         self.optimized: list[Segment] = []
         self.precision: LossScaling | None = engine.capabilities.get(LossScaling)
         self.used: set[int] = set()  # ignore_unused_parameters false: parameters with a gradient in this window
@@ -98,6 +103,35 @@ class ZeroRuntime:
     def accumulate_fp32(self) -> bool:
         """Whether gradients accumulate in fp32 (``data_types.grad_accum_dtype``) for a 16-bit model."""
         return bool(self.precision is not None and self.precision.accumulate_fp32)
+
+    @property
+    def swapper(self) -> Any:
+        """The :class:`~microspeed_zero.swap.OptimizerSwapper` (optimizer on NVMe), or ``None``."""
+        return self._swapper
+
+    @swapper.setter
+    def swapper(self, swapper: Any) -> None:
+        self._swapper = swapper
+        if self.reducer is not None:  # backward writes the gradients into its files
+            self.reducer.gradients = getattr(swapper, "gradients", None)
+
+    @property
+    def streams_gradients(self) -> bool:
+        """Whether the gradient partition lives in the NVMe optimizer's files (stages 2, 3 with the optimizer on
+        NVMe): no accumulator is allocated for an optimized segment (:mod:`microspeed_zero.grad_swap`)."""
+        return self.cfg.offload_optimizer == "nvme" and self.stage >= 2
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype gradients accumulate in: fp32 (``grad_accum_dtype`` fp32, or parameters of several dtypes),
+        else the parameters' own."""
+        dtypes = {seg.dtype for seg in self.optimized}
+        return torch.float32 if self.accumulate_fp32 or len(dtypes) != 1 else dtypes.pop()
+
+    @property
+    def gradients(self) -> Any:
+        """The :class:`~microspeed_zero.grad_swap.GradientSwapper` holding the gradient partition, or ``None``."""
+        return getattr(self.swapper, "gradients", None)
 
     @property
     def device(self) -> torch.device:
@@ -142,8 +176,8 @@ class ZeroRuntime:
             for p in seg.params:
                 for c in self.chunk_of.get(id(p), ()):
                     self.chunk_segments.setdefault(c, set()).add(seg.index)
-        self._make_accumulators()
         self._make_masters()
+        self._make_accumulators()
         for seg, _g, _s, _e, view in self.optimizer.runs:  # a replica group's slices say so (1-bit LAMB's sums)
             if replica_group(seg.params[0]) is not None:
                 view.replica_group = replica_group(seg.params[0])
@@ -223,16 +257,21 @@ class ZeroRuntime:
 
     def _make_accumulators(self) -> None:
         for seg in self.segments:
-            if not seg.trainable:
-                continue
+            if not seg.trainable or (self.streams_gradients and seg.index in self.masters):
+                continue  # an optimized segment's gradient goes to the NVMe optimizer's files
             dtype = torch.float32 if self.accumulate_fp32 else seg.dtype
             device = self.stage3.device if self.stage3 is not None else seg.params[0].device
             size = seg.padded if self.stage == 1 else seg.shard_size
             self.acc[seg.index] = torch.zeros(size, dtype=dtype, device=device)
 
     def _make_masters(self) -> None:
+        lazy = self.cfg.offload_optimizer == "nvme"  # the swapper writes them from the shards, segment by segment
         for seg in self.segments:
             if not any(g is not None for g in seg.groups):
+                continue
+            if lazy:
+                self.masters[seg.index] = _LAZY_MASTER.expand(seg.shard_size)
+                self.lazy_masters.add(seg.index)
                 continue
             local = self.local_params(seg)
             if local.dtype == torch.float32 and self.master_device is None:
@@ -251,6 +290,21 @@ class ZeroRuntime:
             return self.stage3.local_shard(seg.index)
         start, end = seg.slice_of(seg.rank)
         return self.flats[seg.index][start:end]
+
+    def initial_master(self, seg: Segment) -> torch.Tensor:
+        """This rank's slice of ``seg``'s parameters, to build its master from; a file-resident stage-3 shard is
+        read for the call and not kept."""
+        if self.stage3 is not None:
+            return self.stage3.read_shard(seg.index)
+        return self.local_params(seg)
+
+    def store_params(self, index: int, start: int, values: torch.Tensor) -> None:
+        """Write new ``values`` into elements ``[start, start + numel)`` of segment ``index``'s parameter slice
+        (a file-resident stage-3 shard: written to its file, piece by piece, asynchronously)."""
+        if self.stage3 is not None and self.stage3.in_file(index):
+            self.stage3.write_piece(index, start, values)
+            return
+        self.local_params(self.segments[index])[start:start + values.numel()].copy_(values)
 
     def local_grads(self, seg: Segment) -> torch.Tensor:
         """This rank's reduced gradient slice of ``seg``."""
@@ -344,8 +398,15 @@ class ZeroRuntime:
                 raise RuntimeError(f"zero_optimization.ignore_unused_parameters is false and these parameters got "
                                    f"no gradient in this accumulation window: {unused[:10]}. Use them in forward, "
                                    f"freeze them (requires_grad=False), or set ignore_unused_parameters true.")
+        files = self.gradients
         for mark, seg in self.ties:
-            if seg.index in self.acc and len(mark.ranks) > 1:
+            if len(mark.ranks) < 2:
+                continue
+            if files is not None and files.holds(seg.index):  # read, sum, write back (its norm pieces anew)
+                acc = files.acquire(seg.index)
+                comm.all_reduce(acc, group=mark.group)
+                files.release(seg.index, acc)
+            elif seg.index in self.acc:
                 comm.all_reduce(self.local_grads(seg), group=mark.group)
 
     # -- step ----------------------------------------------------------------------------------
@@ -354,11 +415,13 @@ class ZeroRuntime:
         """Overflow check, norm, clip, inner step, write-back and gathers; see the module docstring."""
         engine, opt = self.engine, self.optimizer
         segs = self.optimized
-        grads = {s.index: self.local_grads(s) for s in segs}
+        files = self.gradients  # stages 2, 3 with the optimizer on NVMe: the gradients are in its files
+        grads = {s.index: self.local_grads(s) for s in segs if files is None or not files.holds(s.index)}
         scale = 1.0
         if self.scaler is not None:
             scale = self.scaler.loss_scale
-            flag = torch.tensor([1.0 if has_inf_or_nan(list(grads.values())) else 0.0])
+            bad = has_inf_or_nan(list(grads.values())) or (files is not None and files.overflow())
+            flag = torch.tensor([1.0 if bad else 0.0])
             comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
             if self.mp_group is not None:
                 comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mp_group)
@@ -425,19 +488,31 @@ class ZeroRuntime:
         the data-parallel group, then over the model-parallel group as for every gradient. When plugins
         gave :class:`NormRule` s, each shard is cut into runs of one rule (one run per segment at stages 1
         and 2, whose segments are cut by rule) and passed with them: copies another rank counts (tied
-        weights on later stages, tensor-parallel duplicates) are skipped.
+        weights on later stages, tensor-parallel duplicates) are skipped. A segment whose gradient is in the
+        NVMe files contributes the norms of its pieces, kept when backward wrote them (the norm of a
+        1-element tensor holding a piece's norm is that norm: the sum of squares is unchanged).
         """
         norm = self.engine.grad_norm
-        if not norm.has_rules:
-            return norm(list(grads.values()), partitioned_over=self.group)
+        files = self.gradients
+        pieces, rules = [], []
+        for seg in self.optimized:
+            if seg.index in grads:
+                tensors, these = self.norm_inputs(seg.index, grads[seg.index])
+            else:
+                tensors, these = files.norm_pieces(seg.index)
+            pieces += tensors
+            rules += these or []
+        return norm(pieces, partitioned_over=self.group, rules=rules if norm.has_rules else None)
+
+    def norm_inputs(self, index: int, g: torch.Tensor) -> tuple[list[torch.Tensor], list[NormRule | None] | None]:
+        """Segment ``index``'s gradient slice ``g`` as the kernel's norm takes it: whole without rules, else cut
+        into runs of one :class:`NormRule` each (with the rules)."""
+        if not self.engine.grad_norm.has_rules:
+            return [g], None
         if self._norm_runs is None:
             self._norm_runs = {seg.index: self._rule_runs(seg) for seg in self.optimized}
-        pieces, rules = [], []
-        for index, g in grads.items():
-            for start, end, rule in self._norm_runs[index]:
-                pieces.append(g[start:end])
-                rules.append(rule)
-        return norm(pieces, partitioned_over=self.group, rules=rules)
+        runs = self._norm_runs[index]
+        return [g[start:end] for start, end, _ in runs], [rule for _, _, rule in runs]
 
     def _rule_runs(self, seg: Segment) -> list[tuple[int, int, NormRule | None]]:
         """``[(start, end, rule), ...]``: this rank's slice of ``seg`` in maximal runs of one rule."""
@@ -505,9 +580,12 @@ class ZeroRuntime:
             self.wait_gathers(sorted({p._zero[1] for p in params if p._zero[0] is self}))
 
     def zero_grad(self) -> None:
-        """Zero the gradient accumulators (the model's ``.grad`` are cleared by the engine)."""
+        """Zero the gradient accumulators (the model's ``.grad`` are cleared by the engine); gradients in the NVMe
+        files read as zeros from now on."""
         for acc in self.acc.values():
             acc.zero_()
+        if self.gradients is not None:
+            self.gradients.zero()
 
     # -- whole tensors for user code (GatheredParameters, safe_get_*) --------------------------------
 
@@ -574,7 +652,9 @@ class ZeroRuntime:
         return self.masters.get(index)
 
     def grad_slice(self, index: int) -> torch.Tensor | None:
-        """This rank's reduced gradient slice of segment ``index``."""
+        """This rank's reduced gradient slice of segment ``index`` (read from the NVMe files when it lives there)."""
+        if self.gradients is not None and self.gradients.holds(index):
+            return self.gradients.read_segment(index)
         if index not in self.acc:
             return None
         return self.local_grads(self.segments[index])
@@ -634,7 +714,9 @@ class ZeroRuntime:
         (stage 3); ``gradients``: the accumulators; ``optimizer_states``: fp32 masters that are not
         the parameters themselves plus every tensor of the inner optimizer's state. Counted by
         storage, so a view is not counted twice. Offloaded bytes are reported under ``*_cpu`` keys
-        when the compute device is not the CPU; NVMe-resident state under ``optimizer_states_nvme``.
+        when the compute device is not the CPU; NVMe-resident state under ``optimizer_states_nvme``, the gradient
+        files under ``gradients_nvme`` (their in-memory buffers count as ``gradients``) and file-resident
+        parameter shards under ``parameters_nvme``.
         """
         seen: set[int] = set()
 
@@ -658,6 +740,11 @@ class ZeroRuntime:
         if self.swapper is not None:
             out["optimizer_states_nvme"] = self.swapper.bytes_on_disk()
             out["optimizer_states"] += self.swapper.resident_bytes()
+        if self.gradients is not None:
+            out["gradients"] += self.gradients.resident_bytes()
+            out["gradients_nvme"] = self.gradients.bytes_on_disk()
+        if self.stage3 is not None and self.stage3.store is not None:
+            out["parameters_nvme"] = self.stage3.bytes_on_disk()
         return out
 
 

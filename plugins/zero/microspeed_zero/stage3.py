@@ -26,6 +26,11 @@ placeholder (``p.ds_shape`` / ``p.ds_numel`` give its real shape); the rank keep
   ``stage3_max_live_parameters`` elements stay gathered. Nothing stays gathered over an optimizer step
   (its first forward gathers the updated parameters). :attr:`ParameterPartitioner.stats` counts gathers.
 
+With ``offload_param.device = "nvme"`` a shard beyond the first ``offload_param.max_in_cpu`` elements is
+written to a file as soon as its module is partitioned (the model is never held whole), read for each gather
+and dropped after it; the optimizer's step writes its new values into the file piece by piece
+(:meth:`ParameterPartitioner.write_piece`).
+
 Releasing shrinks the flat buffer's storage to zero bytes (as FSDP does) and points the
 parameters at the placeholder: tensors autograd saved from the forward keep referring to the
 same storage, which the backward gather fills again, so any module works unchanged.
@@ -52,6 +57,7 @@ Each parameter carries DeepSpeed's ``ds_id``, ``ds_shape``, ``ds_numel`` and ``d
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
@@ -137,7 +143,10 @@ class ParameterPartitioner:
         self.pin = self.offload and self.cfg.pin_memory and torch.cuda.is_available()
         self.store: Any = None  # offload_param nvme: shards beyond max_in_cpu live in files
         self.in_files: set[int] = set()
-        self.loaded: dict[int, torch.Tensor] = {}  # file-resident shards read in for a step
+        self.loaded: dict[int, torch.Tensor] = {}  # file-resident shards read in whole (user reads, checkpoints)
+        self.kept = 0  # elements of non-persistent shards kept in memory (at most offload_param.max_in_cpu)
+        self._piece_writes: deque[tuple[Any, int]] = deque()  # the step's writes into shard files, with bytes
+        self._piece_bytes = 0
         if self.cfg.offload_param == "nvme":
             import os
 
@@ -170,8 +179,6 @@ class ParameterPartitioner:
                 by_group.setdefault(replica_group(p), []).append(p)
             for rg, members in sorted(by_group.items(), key=lambda kv: kv[0] is not None):
                 self._partition_params(members, rg, names, assigned, threshold, src, materialize)
-        if self.store is not None:
-            self._spill_to_files()
         for module in model.modules():
             needed = sorted({assigned[id(p)] for p in module._parameters.values() if p is not None})
             if needed:
@@ -217,20 +224,50 @@ class ParameterPartitioner:
                                           shard.to("cpu", copy=True)) if self.offload else shard.clone()
                 self.flats[seg.index] = flat
                 self._drop(seg)
+                if self.store is not None:
+                    self._spill(seg)
 
-    def _spill_to_files(self) -> None:
-        """offload_param nvme: keep the first ``max_in_cpu`` elements of shards in memory, write the rest to files."""
-        kept = 0
-        for seg in self.segments:
-            if seg.persistent:
-                continue
-            shard = self.shards[seg.index]
-            if kept + shard.numel() <= self.cfg.max_in_cpu:
-                kept += shard.numel()
-                continue
-            self.store.write(f"shard{seg.index}", shard.contiguous())
-            self.shards[seg.index] = None
-            self.in_files.add(seg.index)
+    def _spill(self, seg: Segment) -> None:
+        """offload_param nvme: keep shards in memory while they fit ``max_in_cpu`` elements (in partitioning
+        order), write the others to files now."""
+        shard = self.shards[seg.index]
+        if self.kept + shard.numel() <= self.cfg.max_in_cpu:
+            self.kept += shard.numel()
+            return
+        self.store.write(f"shard{seg.index}", shard.contiguous())
+        self.shards[seg.index] = None
+        self.in_files.add(seg.index)
+
+    def in_file(self, index: int) -> bool:
+        """Whether segment ``index``'s shard is in its file only (not read in whole)."""
+        return index in self.in_files and index not in self.loaded
+
+    def read_shard(self, index: int) -> torch.Tensor:
+        """This rank's shard of segment ``index``, a file-resident one read for the caller and not kept."""
+        if not self.in_file(index):
+            return self.local_shard(index)
+        return self.store.read(f"shard{index}", torch.empty(self.segments[index].shard_size,
+                                                            dtype=self.segments[index].dtype))
+
+    def write_piece(self, index: int, start: int, values: torch.Tensor) -> None:
+        """Write ``values`` (converted to the parameters' dtype) into elements ``[start, start + numel)`` of the
+        file-resident shard of segment ``index``, asynchronously: a later gather reads it after the write (the store
+        keeps one key's order). At most two sub-groups' worth of writes are in flight."""
+        piece = values.to(self.segments[index].dtype, copy=True)
+        self._piece_writes.append((self.store.write_async(f"shard{index}", piece, offset=start), piece.nbytes))
+        self._piece_bytes += piece.nbytes
+        limit = 2 * min(self.cfg.sub_group_size, max(s.shard_size for s in self.segments)) * piece.element_size()
+        while self._piece_bytes > limit:
+            self._wait_piece()
+
+    def _wait_piece(self) -> None:
+        handle, nbytes = self._piece_writes.popleft()
+        self._piece_bytes -= nbytes
+        handle.wait()
+
+    def bytes_on_disk(self) -> int:
+        """Bytes of parameter shards in files (``offload_param.device`` nvme)."""
+        return self.store.bytes_on_disk() if self.store is not None else 0
 
     def local_shard(self, index: int) -> torch.Tensor:
         """This rank's shard of segment ``index``; a file-resident one is read in (kept until :meth:`after_step`)."""
@@ -578,7 +615,10 @@ class ParameterPartitioner:
         self.plan, self._upcoming = None, None
 
     def after_optimizer_step(self) -> None:
-        """The shards were stepped: no whole copy may outlive the step (it would be stale)."""
+        """The shards were stepped: no whole copy may outlive the step (it would be stale); the step's writes into
+        shard files are waited for (their errors surface here)."""
+        while self._piece_writes:
+            self._wait_piece()
         for seg in self.segments:
             self.release(seg.index)
 
@@ -586,8 +626,9 @@ class ParameterPartitioner:
         """A segment's shard was updated: refresh persistent segments' whole copy (lazily waited); write
         a file-resident shard back."""
         if seg.index in self.in_files:
-            shard = self.loaded.pop(seg.index)
-            self.store.write(f"shard{seg.index}", shard)
+            shard = self.loaded.pop(seg.index, None)  # else the step wrote its pieces into the file
+            if shard is not None:
+                self.store.write(f"shard{seg.index}", shard)
             return
         if seg.persistent:
             self.works[seg.index] = _gather_into(self.flats[seg.index], self.shards[seg.index], seg.group, True)
@@ -598,8 +639,10 @@ class ParameterPartitioner:
             self.fetch(index) if self.segments[index].persistent else self.release(index)
 
     def resident_bytes(self, size: Any) -> int:
-        """Bytes of shards and persistent whole segments (``size`` counts each storage once)."""
+        """Bytes of shards in memory (file-resident ones read in whole too) and persistent whole segments (``size``
+        counts each storage once)."""
         total = sum(size(s) for s in self.shards.values() if s is not None)
+        total += sum(size(s) for s in self.loaded.values())
         return total + sum(size(self.flats[s.index]) for s in self.segments if s.persistent)
 
 

@@ -37,9 +37,21 @@ An optimizer that needs sums over whole parameters (:class:`~microspeed.plugin_a
 collective over the group, then the update pass: its state is read twice and written once per step
 (Adam: once each).
 
+Gradients: at stages 2 and 3 the gradient partition lives in these files too, one more file per sub-group
+(:class:`~microspeed_zero.grad_swap.GradientSwapper`, :attr:`OptimizerSwapper.gradients`): backward writes each
+reduced segment's pieces into them, the step reads each sub-group's gradient through slots of its own beside
+the masters and moments, and the runtime never holds the gradient partition. At stage 1 (whole gradients in
+memory) the step takes the runtime's fp32 gradient partition instead.
+
+The masters are written from the parameters' shards one segment at a time (a file-resident stage-3 shard is
+read for it and dropped), and the step writes each piece's new values into the parameters' shard (a
+file-resident one piece by piece: :meth:`~microspeed_zero.runtime.ZeroRuntime.store_params`), so nothing in
+the swapper's life holds the whole partition.
+
 Resident memory between steps: the slots only, ``buffer_count x largest sub-group x (4 bytes x
-tensors per sub-group)`` (:meth:`OptimizerSwapper.budget_bytes`). The step adds Adam's
-temporaries (a few sub-group-sized tensors) and the runtime's fp32 gradient partition.
+tensors per sub-group)`` (:meth:`OptimizerSwapper.budget_bytes`), plus the gradient buffers
+(:meth:`~microspeed_zero.grad_swap.GradientSwapper.budget_bytes`). The step adds Adam's temporaries (a few
+sub-group-sized tensors).
 
 Checkpoints and user reads (``safe_get_full_fp32_param``) see the state through
 :meth:`OptimizerSwapper.resident` (read everything into fresh tensors for the duration) or
@@ -62,6 +74,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam as _adam
 
 from microspeed.plugin_api import ConfigError, ElementwiseState, ParameterSums
+from microspeed_zero.grad_swap import GradientSwapper
 from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore, rank_folder
 
 MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
@@ -159,6 +172,8 @@ class OptimizerSwapper:
                        for _ in range(count)]
         self._budget = int(cfg.buffer_count) * largest * 4 * len(self.tensor_names)
         self._prefetchers: dict[tuple[Any, ...], Prefetcher] = {}
+        self.gradients: GradientSwapper | None = None
+        """Stages 2, 3: the gradient partition in the sub-group files (see the module docstring)."""
         self._depth = 0  # nesting of resident()
         self._resident = False
         self._with_states = False
@@ -169,6 +184,8 @@ class OptimizerSwapper:
         self.store = TensorFileStore(folder)
         try:
             self._write_initial(dict(rt.masters))
+            if rt.streams_gradients:
+                self.gradients = GradientSwapper(self, rt.grad_dtype, rt.norm_inputs, rt.scaler is not None)
         except BaseException:
             self.store.close()
             raise
@@ -210,15 +227,24 @@ class OptimizerSwapper:
 
     def _write_initial(self, masters: dict[int, torch.Tensor]) -> None:
         """Masters into their files (staged through the slots, one write in flight per slot); state tensors that
-        start at zero as zero (sparse) files, which cost no memory, the others filled with their initial value."""
+        start at zero as zero (sparse) files, which cost no memory, the others filled with their initial value.
+
+        A master the runtime did not build (``rt.lazy_masters``) is taken from the parameters' shard
+        (:meth:`~microspeed_zero.runtime.ZeroRuntime.initial_master`), one segment held at a time."""
         pending: list[list[SwapHandle]] = [[] for _ in self._slots]
+        held: tuple[int, torch.Tensor] | None = None
         for k, sg in enumerate(self.subgroups):
             slot = k % len(self._slots)
             for h in pending[slot]:
                 h.wait()
             buf = self._slots[slot][0][:sg.numel]
             for p in sg.pieces:
-                buf[p.lo:p.hi].copy_(masters[p.seg][p.start:p.end])
+                master = masters[p.seg]
+                if p.seg in self.rt.lazy_masters:
+                    if held is None or held[0] != p.seg:
+                        held = (p.seg, self.rt.initial_master(self.rt.segments[p.seg]))
+                    master = held[1]
+                buf[p.lo:p.hi].copy_(master[p.start:p.end])
             pending[slot] = [self.store.write_async(sg.keys[0], buf)]
             for j, (key, value) in enumerate(zip(sg.keys[1:], self.initial.values(), strict=True), start=1):
                 if value == 0.0:
@@ -230,15 +256,15 @@ class OptimizerSwapper:
                 h.wait()
 
     def _release_masters(self) -> None:
-        """Drop the in-memory masters: run views point at a placeholder, masters lose their storage."""
+        """Drop the in-memory masters: run views point at a placeholder, masters lose their storage (an offloaded
+        optimizer's masters are never the parameters themselves)."""
         rt = self.rt
         for *_, view in self._runs:
             view.data = _PLACEHOLDER.expand(view.numel())
-        for index, master in rt.masters.items():
-            local = rt.local_params(rt.segments[index])
-            if master.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
-                master.data = torch.empty(0, dtype=master.dtype)  # the views above were its last other users
+        for master in rt.masters.values():
+            master.data = torch.empty(0, dtype=master.dtype)  # the views above were its last other users
         rt.masters = {}
+        rt.lazy_masters.clear()
 
     def _prefetcher(self, order: list[int], names: int) -> Prefetcher:
         """A :class:`Prefetcher` over sub-groups ``order`` (first ``names`` tensors of each), on the shared slots."""
@@ -256,8 +282,10 @@ class OptimizerSwapper:
 
         ``order``: the optimized segments in the order to publish them (forward order);
         ``g32[seg.index]``: this rank's averaged fp32 CPU gradient slice of each (scaled in place by
-        ``coef``, a float or 0-d tensor folding loss unscaling and clipping). New master values are
-        written into ``rt.local_params(seg)`` and each segment is published (``rt.publish``) once all
+        ``coef``, a float or 0-d tensor folding loss unscaling and clipping) — unused when the gradients
+        are in the files (:attr:`gradients`: each sub-group's is read beside its state, converted and
+        scaled in a buffer). New master values are written into the parameters' slice
+        (``rt.store_params``) and each segment is published (``rt.publish``) once all
         of its sub-groups are stepped. Adam/AdamW: torch's functional Adam on each sub-group's pieces.
         Another optimizer (:class:`ElementwiseState`): its own ``step()`` on the pieces, as parameters
         viewing the slot (see :meth:`_step_pieces`); one asking for whole-parameter sums
@@ -282,29 +310,30 @@ class OptimizerSwapper:
         inner = rt.optimizer.inner
         before = after = None
         sums = False
+        streamed = self.gradients is not None
+        pass_coef = coef if scale else None  # applied as each sub-group's gradients are taken
         with torch.no_grad():
             if not self.adam:  # the state's scalars as they were before the step: every piece of a run starts there
                 before = [self._scalar_state(inner.state.get(view, {})) for *_, view in self._runs]
                 after = [dict(b) for b in before]
-                if scale:
+                if scale and not streamed:  # in memory: scaled once, in place, for both passes
                     for sg in self.subgroups:
                         for p in sg.pieces:
                             g32[p.seg][p.start:p.end].mul_(coef)
+                    pass_coef = None
                 sums = isinstance(inner, ParameterSums) and inner.needs_parameter_sums()
                 if sums:
-                    self._first_pass(visit, g32, before)
+                    self._first_pass(visit, g32, pass_coef, before)
             try:
                 if self.subgroups:
                     pf = self._prefetcher(visit, len(self.tensor_names))
-                    for i, tensors in pf:
-                        sg = self.subgroups[visit[i]]
+                    for sg, tensors, grads in self._with_grads(pf, visit, g32, pass_coef):
                         if self.adam:
-                            self._adam(sg, tensors, g32, coef if scale else None)
+                            self._adam(sg, tensors, grads)
                         else:
-                            self._step_pieces(sg, tensors, g32, before, after)
+                            self._step_pieces(sg, tensors, grads, before, after)
                         for p in sg.pieces:
-                            local = rt.local_params(rt.segments[p.seg])
-                            local[p.start:p.end].copy_(tensors[0][p.lo:p.hi])
+                            rt.store_params(p.seg, p.start, tensors[0][p.lo:p.hi])
                         pf.mark_dirty()
                         for s in sg.segments:
                             remaining[s] -= 1
@@ -327,12 +356,39 @@ class OptimizerSwapper:
         return {k: v for k, v in state.items()
                 if k not in self.initial and not (isinstance(v, torch.Tensor) and v.dim() > 0)}
 
+    def _with_grads(self, pf: Prefetcher, visit: list[int], g32: dict[int, torch.Tensor],
+                    coef: Any) -> Iterator[tuple[SubGroup, list[torch.Tensor], list[torch.Tensor]]]:
+        """Iterate ``pf`` (over sub-groups ``visit``) with each sub-group's gradients: ``(sg, tensors, grads)``,
+        ``grads[j]`` the fp32 gradient of ``sg.pieces[j]`` multiplied by ``coef`` (``None``: as it is) — read from
+        the gradient files in step with ``pf`` when they hold them, else slices of ``g32`` (scaled in place)."""
+        files = self.gradients
+        gs = files.stream(visit) if files is not None else None
+        try:
+            for i, tensors in pf:
+                sg = self.subgroups[visit[i]]
+                if gs is not None:
+                    _, (grad,) = next(gs)
+                    g = files.fp32(sg.index, grad, coef)
+                    grads = [g[p.lo:p.hi] for p in sg.pieces]
+                else:
+                    grads = [g32[p.seg][p.start:p.end] for p in sg.pieces]
+                    if coef is not None:
+                        for g in grads:
+                            g.mul_(coef)
+                yield sg, tensors, grads
+            if gs is not None:
+                next(gs, None)  # lets the gradient stream finish its loop
+        finally:
+            if gs is not None:
+                gs.close()
+
     @contextlib.contextmanager
-    def _installed(self, sg: SubGroup, tensors: list[torch.Tensor], g32: dict[int, torch.Tensor],
+    def _installed(self, sg: SubGroup, tensors: list[torch.Tensor], grads: list[torch.Tensor],
                    before: list[dict[str, Any]]) -> Iterator[list[tuple[Piece, torch.Tensor]]]:
         """The inner optimizer over ``sg``'s pieces only, as parameters viewing the slot ``tensors``.
 
-        Each piece's parameter views ``tensors[0]``, carries its gradient slice as ``grad`` and the run view's
+        Each piece's parameter views ``tensors[0]``, carries its gradient (``grads``, by piece) as ``grad`` and the
+        run view's
         attributes (``partition_pieces`` cut to the piece); its state is the run's scalars from ``before`` plus
         the declared tensors, views of the slot. On exit the groups get their run views back, the pieces' state
         entries are removed and the optimizer :meth:`~ElementwiseState.forget` s them.
@@ -341,7 +397,7 @@ class OptimizerSwapper:
         saved = [group["params"] for group in inner.param_groups]
         lists: list[list[torch.Tensor]] = [[] for _ in saved]
         pieces: list[tuple[Piece, torch.Tensor]] = []
-        for p in sg.pieces:
+        for p, grad in zip(sg.pieces, grads, strict=True):
             _seg, g, _s, _e, view = self._runs[p.run]
             param = tensors[0][p.lo:p.hi]
             for key, value in vars(view).items():
@@ -349,7 +405,7 @@ class OptimizerSwapper:
             parts = self._parts[p]
             if parts is not None:
                 param.partition_pieces = parts
-            param.grad = g32[p.seg][p.start:p.end]
+            param.grad = grad
             state = copy.deepcopy(before[p.run])  # a piece's step must not move another's scalars (0-d tensors)
             for j, name in enumerate(self.initial, start=1):
                 state[name] = tensors[j][p.lo:p.hi]
@@ -368,38 +424,38 @@ class OptimizerSwapper:
                 param.grad = None
             inner.forget([param for _, param in pieces])
 
-    def _step_pieces(self, sg: SubGroup, tensors: list[torch.Tensor], g32: dict[int, torch.Tensor],
+    def _step_pieces(self, sg: SubGroup, tensors: list[torch.Tensor], grads: list[torch.Tensor],
                      before: list[dict[str, Any]], after: list[dict[str, Any]]) -> None:
         """The inner optimizer's own ``step()`` on ``sg``'s pieces (:meth:`_installed`); the scalars it leaves in a
         piece's state become its run's (``after``; every piece of a run leaves the same)."""
         inner = self.rt.optimizer.inner
-        with self._installed(sg, tensors, g32, before) as pieces:
+        with self._installed(sg, tensors, grads, before) as pieces:
             inner.step()
             for p, param in pieces:
                 after[p.run] = self._scalar_state(inner.state[param])
 
-    def _first_pass(self, visit: list[int], g32: dict[int, torch.Tensor], before: list[dict[str, Any]]) -> None:
+    def _first_pass(self, visit: list[int], g32: dict[int, torch.Tensor], coef: Any,
+                    before: list[dict[str, Any]]) -> None:
         """For a :class:`ParameterSums` optimizer: stream every sub-group once, read-only, for the partial sums of
         the coming step; combine them over the group (one collective) and hand them to the optimizer."""
         inner = self.rt.optimizer.inner
         totals = None
         if self.subgroups:
-            for i, tensors in self._prefetcher(visit, len(self.tensor_names)):
-                with self._installed(self.subgroups[visit[i]], tensors, g32, before):
+            pf = self._prefetcher(visit, len(self.tensor_names))
+            for sg, tensors, grads in self._with_grads(pf, visit, g32, coef):
+                with self._installed(sg, tensors, grads, before):
                     totals = inner.parameter_sums(totals)
         else:  # nothing held here: zero partial sums (the groups hold the run views, without gradients)
             totals = inner.parameter_sums(None)
         inner.use_parameter_sums(inner.reduce_parameter_sums(totals))
 
-    def _adam(self, sg: SubGroup, tensors: list[torch.Tensor], g32: dict[int, torch.Tensor], coef: Any) -> None:
-        """torch's functional Adam on each piece of ``sg`` (grouped by param group), in the slot ``tensors``."""
+    def _adam(self, sg: SubGroup, tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """torch's functional Adam on each piece of ``sg`` (grouped by param group; ``grads`` by piece), in the slot
+        ``tensors``."""
         opt = self.rt.optimizer
         lists: dict[int, tuple[list[torch.Tensor], ...]] = {}
-        for p in sg.pieces:
+        for p, grad in zip(sg.pieces, grads, strict=True):
             g = self._runs[p.run][1]
-            grad = g32[p.seg][p.start:p.end]
-            if coef is not None:
-                grad.mul_(coef)
             L = lists.setdefault(g, ([], [], [], [], [], []))
             L[0].append(tensors[0][p.lo:p.hi])
             L[1].append(grad)
@@ -563,8 +619,11 @@ class OptimizerSwapper:
     # -- accounting and lifetime ---------------------------------------------------------------
 
     def bytes_on_disk(self) -> int:
-        """Bytes of optimizer state in the swap files (masters and moments of every sub-group)."""
-        return 0 if self.closed else self.store.bytes_on_disk()
+        """Bytes of optimizer state in the swap files (masters and moments of every sub-group; the gradient files
+        are :meth:`GradientSwapper.bytes_on_disk`)."""
+        if self.closed:
+            return 0
+        return self.store.bytes_on_disk() - (self.gradients.bytes_on_disk() if self.gradients is not None else 0)
 
     def resident_bytes(self) -> int:
         """Bytes of the streaming slots, which stay in memory between steps (<= :meth:`budget_bytes`).
@@ -588,6 +647,8 @@ class OptimizerSwapper:
             return
         self.closed = True
         self._prefetchers.clear()
+        if self.gradients is not None:
+            self.gradients.close()
         self.store.close()
         self._slots = []
 

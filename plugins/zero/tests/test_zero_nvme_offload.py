@@ -14,7 +14,8 @@ tests below assert on them:
 * memory: a 4.2M-parameter bf16 model at stage 2 whose fp32 optimizer state (12 bytes per
   element of the rank's partition) is >= 4x the in-memory budget (``buffer_count`` slots of the
   largest sub-group) trains; resident optimizer bytes stay within the budget, the files hold the
-  state, and the peak RSS growth over 3 steps stays below budget + model + ``RSS_SLACK``;
+  state and the bf16 gradient partition, and the peak RSS growth over 3 steps stays below
+  budget + model + ``RSS_SLACK``;
 * checkpoint: 4 steps with nvme offload, save, then a no-offload engine and an nvme engine load
   it and run 4 more steps: losses equal the uninterrupted 8-step run;
 * bad input: nvme without nvme_path, SGD with nvme -> ConfigError naming the key.
@@ -303,7 +304,9 @@ def test_state_larger_than_memory_budget(results):
         assert all(map(lambda v: v == v and v < 1e3, m["losses"]))  # finite
         assert m["resident"] <= m["budget"]
         assert m["breakdown"]["optimizer_states"] <= m["budget"], m["breakdown"]
-        assert m["breakdown"]["optimizer_states_nvme"] == m["on_disk"] == m["state_bytes"] == m["files"], m
+        assert m["breakdown"]["optimizer_states_nvme"] == m["on_disk"] == m["state_bytes"], m
+        grads = m["breakdown"]["gradients_nvme"]  # the gradient partition (bf16) lives in the same folder
+        assert grads == m["state_bytes"] // 6 and m["files"] == m["state_bytes"] + grads, m
         bound = m["budget"] + m["model_bytes"] + RSS_SLACK
         assert m["growth"] <= bound, (rank, m["growth"], bound)
         assert bound < m["state_bytes"]  # the bound excludes holding the optimizer state in memory

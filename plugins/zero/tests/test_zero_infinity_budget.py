@@ -1,0 +1,133 @@
+"""ZeRO-3 with parameters and optimizer on NVMe trains a model whose state is >= 5x what may stay in memory.
+
+One process. A GPT built under ``zero.Init(remote_device="nvme")`` trains with ``offload_param`` (``max_in_cpu:
+0``) and ``offload_optimizer`` on NVMe, small sub-groups, two micro-steps per step and gradient clipping that
+acts. The budget is what the offload keeps in memory by construction — the optimizer's slots, the gradient
+buffers, the gathered parameters allowed by ``stage3_max_live_parameters`` and the step's writes into parameter
+files in flight — and the training state (fp32 weights, gradients, masters and two moments: 20 bytes per
+parameter) is >= 5x it. Checked:
+
+* the bytes the runtime accounts in memory (``memory_breakdown`` plus gathered parameters and piece writes in
+  flight), sampled after every forward, backward and step and at every piece the step writes, stay within the
+  budget; nothing holds the partition (no masters, no accumulator of an optimized segment, no shard in memory);
+* the swap files' traffic per step is exactly the streamed state: the optimizer files read masters, moments
+  and gradients once and the gradients once more per extra micro-step, write masters, moments and one
+  gradient pass per micro-step; the parameter files receive the new weights once;
+* losses and final weights equal an in-memory ZeRO-3 run of the same model in fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import microspeed
+from microspeed.demo.model import GPT, GPTConfig
+
+STEPS, GAS = 3, 2
+GPT_CONFIG = GPTConfig(vocab_size=512, seq_len=16, n_layer=4, n_head=4, d_model=64, tie_weights=False)
+SUB_GROUP, LIVE = 4096, 40_000
+
+
+def _config(nvme: str | None) -> dict:
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "sub_group_size": SUB_GROUP,
+            "stage3_max_live_parameters": LIVE, "stage3_prefetch_bucket_size": LIVE // 2}
+    if nvme is not None:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0}
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme, "buffer_count": 2}
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "steps_per_print": 10_000,
+            "gradient_clipping": 0.05, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}}
+
+
+def _held(rt) -> int:
+    """Bytes the runtime accounts in memory: parameters, gradients, optimizer state and buffers, plus gathered
+    parameters and the step's writes into parameter files in flight."""
+    s3 = rt.stage3
+    gathered = sum(s3.flats[s.index].untyped_storage().nbytes() for s in s3.segments if not s.persistent)
+    return sum(v for k, v in rt.memory_breakdown().items() if not k.endswith("_nvme")) + gathered + s3._piece_bytes
+
+
+def _train(engine, samples: list[int] | None) -> tuple[list[float], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, GPT_CONFIG.vocab_size, (2, GPT_CONFIG.seq_len + 1), generator=gen) for _ in range(GAS)]
+    rt = engine.plugin_state("zero")
+    losses = []
+    for i in range(STEPS * GAS):
+        x = batches[i % GAS]  # the same window every step: the loss must fall
+        loss = engine(x[:, :-1], x[:, 1:])
+        if samples is not None:
+            samples.append(_held(rt))
+        engine.backward(loss)
+        if samples is not None:
+            samples.append(_held(rt))
+        engine.step()
+        if samples is not None:
+            samples.append(_held(rt))
+        losses.append(loss.item())
+    params = list(engine.module.parameters())
+    with microspeed.zero.GatheredParameters(params):
+        weights = [p.detach().clone() for p in params]
+    return losses, weights
+
+
+@pytest.mark.timeout(300)
+def test_model_five_times_over_the_budget_trains_as_in_memory(tmp_path):
+    microspeed.init_distributed()
+    nvme = str(tmp_path / "swap")
+    cfg = _config(nvme)
+    torch.manual_seed(0)
+    with microspeed.zero.Init(remote_device="nvme", config_dict_or_path=cfg):
+        model = GPT(GPT_CONFIG)
+    engine = microspeed.initialize(model=model, config=cfg)[0]
+    rt = engine.plugin_state("zero")
+    s3, swapper, files = rt.stage3, rt.swapper, rt.gradients
+    n = sum(p.ds_numel for p in engine.module.parameters())
+    largest = max(s.shard_size for s in s3.segments)
+    budget = (swapper.budget_bytes() + files.budget_bytes() + 4 * LIVE
+              + 2 * 4 * min(SUB_GROUP, largest))  # the step's piece writes in flight (stage3.write_piece)
+    state = 20 * n
+    assert state >= 5 * budget, (state, budget)
+
+    # nothing holds the partition: masters, accumulators of optimized segments, shards in memory
+    assert rt.masters == {} and not any(i in rt.acc for i in files.layout) and set(files.layout) == {
+        s.index for s in rt.optimized}
+    assert all(v is None for v in s3.shards.values()) and s3.in_files == {s.index for s in s3.segments}
+
+    samples: list[int] = []
+    store_params = rt.store_params
+
+    def sampled(*args, **kwargs):  # also inside the step, at every piece it writes
+        store_params(*args, **kwargs)
+        samples.append(_held(rt))
+
+    rt.store_params = sampled
+    elements = sum(sg.numel for sg in swapper.subgroups)
+    io = [(swapper.store.bytes_read, swapper.store.bytes_written, s3.store.bytes_written)]
+    stepped = engine.step
+
+    def step_and_count():
+        boundary = engine.is_gradient_accumulation_boundary()
+        stepped()
+        if boundary:
+            io.append((swapper.store.bytes_read, swapper.store.bytes_written, s3.store.bytes_written))
+
+    engine.step = step_and_count
+    losses, weights = _train(engine, samples)
+    assert max(samples) <= budget, (max(samples), budget)
+    assert rt.masters == {} and s3.loaded == {} and all(v is None for v in s3.shards.values())
+
+    per_step = [tuple(b - a for a, b in zip(io[i], io[i + 1], strict=True)) for i in range(STEPS)]
+    for read, written, params_written in per_step:
+        assert read == 4 * elements * (3 + 1 + (GAS - 1)), (read, elements)  # state + gradients + read-backs
+        assert written == 4 * elements * (3 + GAS), (written, elements)  # state + a gradient pass per micro-step
+        assert params_written == 4 * elements, (params_written, elements)
+
+    torch.manual_seed(0)
+    reference = microspeed.initialize(model=GPT(GPT_CONFIG), config=_config(None))[0]
+    ref_losses, ref_weights = _train(reference, None)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+    assert losses[-1] < losses[GAS - 1] - 0.05, losses  # it trains
+    for got, want in zip(weights, ref_weights, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    swapper.close()
