@@ -171,3 +171,42 @@ def test_survivors_error_names_the_killed_rank(tmp_path):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["cause"] == "RuntimeError"  # gloo's error, kept as __cause__
         assert seen["seconds"] < 2.0 + 3.0  # the silent rank is waited for answer_s, then the error comes
+
+
+def test_ranks_at_the_failed_peer_are_named_when_the_store_is_gone_too(monkeypatch):
+    """The store died with the peer's host (it served the workers' store): the ranks at the address gloo names are
+    named from the addresses every rank published with its heartbeat."""
+    store = dist.HashStore()
+    addresses = ["10.9.0.1", "10.9.0.1", "10.9.0.2", "10.9.0.2"]
+    dogs = []
+    for rank, addr in enumerate(addresses):
+        monkeypatch.setattr(watchdog, "route_address", lambda addr=addr: addr)
+        dogs.append(Watchdog(30.0, rank=rank, world_size=4, store=store, beat_s=0.01))
+    for wd in dogs:
+        wd.beat()
+    time.sleep(0.02)
+    dogs[2].beat()  # every heartbeat is there now: rank 2 reads them all once
+    assert dogs[2].addresses == dict(enumerate(addresses))
+    dogs[2].store = _CutStore()
+    try:
+        error = dogs[2].explain_failure(CALL, RuntimeError(GLOO_ERROR.replace("127.0.0.1", "10.9.0.1")))
+    finally:
+        dogs[2].store.release.set()
+    assert isinstance(error, comm.LostRanksError) and error.lost == [0, 1]
+    assert ("ranks 0-1 (at 10.9.0.1, the failed connection's peer) are lost, presumably with their host: the c10d "
+            "store did not answer either") in str(error)
+    # a peer at this rank's own address (one machine) tells nothing: the message stays "unknown"
+    dogs[2].store = _CutStore()
+    try:
+        error = dogs[2].explain_failure(CALL, RuntimeError(GLOO_ERROR.replace("127.0.0.1", "10.9.0.2")))
+    finally:
+        dogs[2].store.release.set()
+    assert error.lost == [] and "which ranks are lost is unknown" in str(error)
+
+
+def test_route_address_is_the_source_address_towards_master_addr(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert watchdog.route_address() == "127.0.0.1"
+    monkeypatch.delenv("MASTER_ADDR")
+    assert watchdog.route_address() is None

@@ -415,6 +415,8 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors = 0
+        self.address = route_address()
+        self.addresses: dict[int, str] = {}  # rank -> its address (from the heartbeats, read once all are there)
 
     @property
     def probe(self) -> trace.Probe:
@@ -476,9 +478,26 @@ class Watchdog:
         self._next_beat = now + self.beat_s
         self._beats += 1
         engine = self.probe.engine
-        payload = json.dumps({"n": self._beats, "step": getattr(engine, "global_steps", None), "wall": time.time()})
+        payload = json.dumps({"n": self._beats, "step": getattr(engine, "global_steps", None), "wall": time.time(),
+                              "addr": self.address})
         with self._lock:
             self.store.set(STORE_PREFIX + f"beat/{self.rank}", payload)
+            if not self.addresses and self.world_size > 1:
+                self._learn_addresses()
+
+    def _learn_addresses(self) -> None:
+        """Remember every rank's address once every rank has published a heartbeat (one read of them all), so a
+        failure that also takes the store away can still be mapped from the peer's address to its ranks."""
+        keys = [STORE_PREFIX + f"beat/{r}" for r in range(self.world_size)]
+        if not self.store.check(keys):
+            return
+        for r, raw in enumerate(self.store.multi_get(keys)):
+            try:
+                addr = json.loads(raw).get("addr")
+            except (ValueError, AttributeError):
+                addr = None
+            if addr:
+                self.addresses[r] = addr
 
     # -- detecting ------------------------------------------------------------------------------
 
@@ -575,6 +594,14 @@ class Watchdog:
         got, error = self.ask(f"its {call.op} #{call.seq} on {call.label} failed: {first_line[:200]}", "failed")
         head = f"microspeed: {what} failed on rank {self.rank}"
         if error is not None and not got:
+            suspects = self.ranks_at_peer(str(exc))
+            if suspects:
+                peer, ranks = suspects
+                verb = "is" if len(ranks) == 1 else "are"
+                return comm.LostRanksError(
+                    f"{head}: {_ranks_text(ranks)} (at {peer}, the failed connection's peer) {verb} lost, presumably "
+                    f"with their host: the c10d store did not answer either ({error}). Original error: {exc}",
+                    ranks, [])
             return comm.LostRanksError(
                 f"{head}; which ranks are lost is unknown: the c10d store {error}. Original error: {exc}", [], [])
         lost = [r for r in range(self.world_size) if r != self.rank and got.get(r, RankState(r, "no answer")).kind
@@ -592,6 +619,18 @@ class Watchdog:
         message = (f"{head}: {_ranks_text(lost)} {verb} lost ({'; '.join(details)}); "
                    f"{_ranks_text(answered)} answered. Original error: {exc}")
         return comm.LostRanksError(message, lost, sorted(answered))
+
+    def ranks_at_peer(self, message: str) -> tuple[str, list[int]] | None:
+        """``(address, ranks)``: the ranks (other than this one's host's) at the peer address a transport error
+        names (gloo: ``[10.0.0.2]:41234``), from the addresses learnt from the heartbeats; ``None`` when the
+        address is unknown, or is this rank's own (all ranks on one machine: it tells nothing)."""
+        for peer in _PEER_ADDR.findall(message):
+            if peer == self.address:
+                continue
+            ranks = sorted(r for r, a in self.addresses.items() if a == peer and r != self.rank)
+            if ranks:
+                return peer, ranks
+        return None
 
     def last_seen(self, rank: int, at: float | None = None) -> str:
         """``last seen 1.2 s ago (heartbeat at step 7)`` from ``rank``'s heartbeat (the hosts' clocks), or why not.
@@ -739,6 +778,27 @@ def _bounded(fn: Callable[[], Any], seconds: float) -> tuple[Any, str | None]:
     if "error" in box:
         return None, f"raised {type(box['error']).__name__}: {box['error']}"
     return box.get("result"), None
+
+
+_PEER_ADDR = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")  # gloo's "Connection closed by peer [10.0.0.2]:41234"
+
+
+def route_address() -> str | None:
+    """This rank's address on the route to the job's store (``MASTER_ADDR``): the source address of a UDP socket
+    connected to it (nothing is sent); in a multi-machine job, the address its peers' errors name. ``None`` when
+    ``MASTER_ADDR`` is unset or unroutable."""
+    import socket
+
+    host = os.environ.get("MASTER_ADDR")
+    if not host:
+        return None
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(os.environ.get("MASTER_PORT") or 9)))
+            return probe.getsockname()[0]
+    except (OSError, ValueError):
+        return None
 
 
 def _exit_process(report: str) -> None:
