@@ -35,6 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from microspeed.plugin_api import ConfigError, comm
+from microspeed_zero.host_memory import return_freed_memory
 from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id
 
 _local = threading.local()
@@ -245,6 +246,7 @@ class Init:
         if device == "nvme":
             self.nvme_folder = self._nvme_folder(config_dict_or_path if config_dict_or_path is not None else config)
             device = "cpu"
+            return_freed_memory()  # the modules built inside free their whole parameters once partitioned
         if device is not None and device != "cpu" and not device.startswith("cuda"):
             raise ConfigError(f"zero.Init(remote_device={remote_device!r}): accepted None, 'cpu', 'nvme' or a CUDA "
                               f"device.")

@@ -42,6 +42,7 @@ from microspeed.plugin_api import (
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.config import ZeroConfig
+from microspeed_zero.host_memory import return_freed_memory
 from microspeed_zero.optimizer import ZeroOptimizer
 from microspeed_zero.partition import Segment, cut_segments
 from microspeed_zero.reduce import GradientReducer, Scaling
@@ -61,6 +62,8 @@ class ZeroRuntime:
 
     def __init__(self, engine: Any, cfg: ZeroConfig) -> None:
         self.engine, self.cfg, self.stage = engine, cfg, cfg.stage
+        if "nvme" in (cfg.offload_param, cfg.offload_optimizer):  # what a step frees must leave the process
+            return_freed_memory()
         topo = engine.topology
         self.group = topo.data_parallel_group
         self.world, self.rank = topo.data_parallel_size, topo.data_parallel_rank
