@@ -28,6 +28,7 @@ PLUGIN_SECTIONS: dict[str, str] = {
     "zero_optimization": "microspeed-zero",
     "zero_force_ds_cpu_optimizer": "microspeed-zero",
     "zero_allow_untested_optimizer": "microspeed-zero",
+    "aio": "microspeed-zero",
     "pipeline": "microspeed-pipeline",
     "activation_checkpointing": "microspeed-pipeline",
     "sparse_attention": "microspeed-sparse-attn",

@@ -113,8 +113,8 @@ DEEPSPEED_KEYS: frozenset[str] = _build()
 #: Top-level keys no built-in acts on, accepted with a notice: key -> why it has no effect here.
 #: A plugin that acts on one claims it as a section, and the notice no longer applies.
 NO_EFFECT: dict[str, str] = {
-    "aio": "asynchronous NVMe I/O settings; microspeed's own NVMe swapping (microspeed-zero) uses its own "
-           "thread pool and does not read them",
+    "aio": "asynchronous NVMe I/O settings of ZeRO-Infinity's swap files; microspeed-zero, which acts on them, "
+           "is not installed",
     "wandb": "microspeed's monitor writes tensorboard and csv_monitor only; log engine.metrics to Weights & "
              "Biases from your script",
     "comet": "microspeed's monitor writes tensorboard and csv_monitor only; log engine.metrics to Comet from "

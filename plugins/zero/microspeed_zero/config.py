@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from microspeed.plugin_api import ConfigError, Field, Section, non_negative, positive
+from microspeed_zero.aio import AioConfig
 
 _SIZE = (int, float)
 _ANY = (bool, int, float, str, dict, list, type(None))
@@ -190,11 +191,14 @@ class ZeroConfig:
     leaf_names: tuple[str, ...] = ()
     leaf_suffixes: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
+    aio: AioConfig = AioConfig()
 
     @classmethod
     def from_config(cls, config: Any) -> ZeroConfig:
-        """Read ``config["zero_optimization"]``; :class:`ConfigError` for combinations we cannot serve."""
+        """Read ``config["zero_optimization"]`` (and the ``aio`` section the NVMe swappers use); :class:`ConfigError`
+        for combinations we cannot serve."""
         z = dict(config["zero_optimization"])
+        aio = AioConfig.from_section(config["aio"])
         z["offload_optimizer"], z["offload_param"] = dict(z["offload_optimizer"]), dict(z["offload_param"])
         for sec in (z["offload_optimizer"], z["offload_param"]):
             if sec["device"] is None:
@@ -248,7 +252,8 @@ class ZeroConfig:
             max_reuse_distance=int(z["stage3_max_reuse_distance"]),
             gather_16bit_weights_on_model_save=z["stage3_gather_16bit_weights_on_model_save"],
             leaf_classes=tuple(z["leaf_module"]["classes"]), leaf_names=tuple(z["leaf_module"]["names"]),
-            leaf_suffixes=tuple(z["leaf_module"]["name_suffixes"]), notices=tuple(_notices(z)),
+            leaf_suffixes=tuple(z["leaf_module"]["name_suffixes"]),
+            notices=tuple(_notices(z) + _aio_notice(aio, oo["device"], op["device"])), aio=aio,
         )
 
 
@@ -271,6 +276,14 @@ def _fold_deprecated(z: dict[str, Any], config: Any) -> None:
             raise ConfigError(f"zero_optimization.stage3_gather_fp16_weights_on_model_save ({old}) and {new} "
                               f"({z['stage3_gather_16bit_weights_on_model_save']}) disagree; keep the second.")
         z["stage3_gather_16bit_weights_on_model_save"] = old
+
+
+def _aio_notice(aio: AioConfig, *devices: str) -> list[str]:
+    """A line when ``aio`` is set to something other than the defaults but nothing is swapped to NVMe."""
+    if aio == AioConfig() or "nvme" in devices:
+        return []
+    return ["aio has no effect here: no zero_optimization offload device is 'nvme' (the aio settings drive the "
+            "NVMe swap files only)."]
 
 
 def _notices(z: dict[str, Any]) -> list[str]:

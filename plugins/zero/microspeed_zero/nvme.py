@@ -3,11 +3,15 @@
 :class:`TensorFileStore` keeps named tensors in files under one folder, **one file per key**
 (``<folder>/<number>-<sanitised key>.swp``, raw bytes in native byte order, no header; the
 metadata — numel and dtype — lives in the store object, so the files are swap space, not a
-checkpoint format). Any file system path works: no libaio, no ``O_DIRECT``, no GPU. I/O runs on a
-:class:`concurrent.futures.ThreadPoolExecutor`; each transfer is split into ``block_size`` chunks
-so that several threads move one large tensor in parallel, with ``os.pread``/``os.pwrite`` (the GIL
-is released during the system call) straight into or out of the memory of a contiguous CPU
-tensor, through a byte view (so bf16 and every other dtype work alike). Swap files are not fsynced.
+checkpoint format). Any file system path works; no GPU. I/O runs on ``threads`` worker threads; each
+transfer is cut into ``block_size`` requests, dealt in contiguous stripes to the workers so that
+several threads move one large tensor in parallel, straight into or out of the memory of a
+contiguous CPU tensor (so bf16 and every other dtype work alike). With ``direct=True`` (what the
+swappers pass, from DeepSpeed's ``aio`` section: :mod:`microspeed_zero.aio`) the whole pages of a
+page-aligned transfer move with ``O_DIRECT`` through Linux kernel AIO, up to ``queue_depth`` requests
+in flight per worker; everything else (the last partial page, an unaligned tensor or file offset, a
+file system refusing ``O_DIRECT``) uses ``os.pread``/``os.pwrite`` (the GIL is released during the
+system call). Swap files are not fsynced. :attr:`TensorFileStore.stats` counts the requests.
 
 A transfer may cover part of a key: ``offset`` (in elements) places a smaller tensor inside the key's
 elements, so one file can be filled piece by piece (the gradient pieces of :mod:`microspeed_zero.swap`).
@@ -39,6 +43,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from microspeed_zero.aio import (
+    ALIGN,
+    AioContext,
+    IoStats,
+    aligned_empty,
+    direct_io_supported,
+    kernel_aio_unavailable,
+    short_transfer,
+    warn_fallback_once,
+)
 
 __all__ = ["Prefetcher", "SwapError", "SwapHandle", "TensorFileStore", "rank_folder"]
 
@@ -176,9 +191,15 @@ class SwapHandle:
         return f"SwapHandle({self.op} {self.key!r}, {state})"
 
 
-def _cleanup(pool: cf.ThreadPoolExecutor, entries: dict[str, _Entry], dirs: list[str], remove: bool) -> None:
-    """Finalizer of a :class:`TensorFileStore`: stop the pool, then delete its files and the folders it made."""
-    pool.shutdown(wait=True, cancel_futures=False)
+def _cleanup(workers: list[cf.ThreadPoolExecutor], contexts: list[AioContext], entries: dict[str, _Entry],
+             dirs: list[str], remove: bool) -> None:
+    """Finalizer of a :class:`TensorFileStore`: stop the workers and their AIO contexts, then delete its files
+    and the folders it made."""
+    for pool in workers:
+        pool.shutdown(wait=True, cancel_futures=False)
+    for ctx in contexts:
+        ctx.close()
+    contexts.clear()
     if not remove:
         return
     for entry in list(entries.values()):
@@ -201,18 +222,31 @@ class TensorFileStore:
     per-process name the offload code uses). Files are named ``<n>-<key>.swp`` (the key
     sanitised to a safe file name, ``n`` making it unique) and hold raw tensor bytes; they and the
     folders this store created are removed on :meth:`close` (or when the store is collected, or at
-    interpreter exit). ``threads`` workers move ``block_size``-byte chunks; a tensor larger than
-    one block is transferred by several workers at once.
+    interpreter exit). ``threads`` workers move ``block_size``-byte requests; a tensor larger than
+    one block is transferred by several workers at once, each moving one contiguous stripe.
+    ``direct=True``: page-aligned transfers move with ``O_DIRECT`` and kernel AIO where the folder's
+    file system allows it (:attr:`direct` says whether it does), ``queue_depth`` requests in flight
+    per worker, submitted one per call with ``single_submit``, the queue refilled as requests complete
+    with ``overlap_events`` (else batch by batch); ``block_size`` must then be a multiple of 4096.
     """
 
-    def __init__(self, folder: str, threads: int = 2, block_size: int = 1 << 20) -> None:
+    def __init__(self, folder: str, threads: int = 2, block_size: int = 1 << 20, queue_depth: int = 8,
+                 single_submit: bool = False, overlap_events: bool = True, direct: bool = False) -> None:
         if int(threads) < 1:
             raise ValueError(f"TensorFileStore threads must be >= 1, got {threads}")
         if int(block_size) < 1:
             raise ValueError(f"TensorFileStore block_size must be >= 1 byte, got {block_size}")
+        if int(queue_depth) < 1:
+            raise ValueError(f"TensorFileStore queue_depth must be >= 1, got {queue_depth}")
+        if direct and int(block_size) % ALIGN:
+            raise ValueError(f"TensorFileStore block_size must be a multiple of {ALIGN} with direct I/O, "
+                             f"got {block_size}")
         self.folder = os.path.abspath(folder)
         self.threads = int(threads)
         self.block_size = int(block_size)
+        self.queue_depth = int(queue_depth)
+        self.single_submit = bool(single_submit)
+        self.overlap_events = bool(overlap_events)
         created: list[str] = []
         probe = self.folder
         while probe and not os.path.exists(probe):
@@ -234,9 +268,18 @@ class TensorFileStore:
         self._pending: dict[str, list[tuple[SwapHandle, bool]]] = {}
         self._lock = threading.Lock()
         self._counter = 0
+        self._next_worker = 0
         self._closed = False
-        self._pool = cf.ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="microspeed-nvme")
-        self._finalizer = weakref.finalize(self, _cleanup, self._pool, self._entries, created, True)
+        self.direct = bool(direct) and direct_io_supported(self.folder)
+        """Whether page-aligned transfers use ``O_DIRECT`` (asked for, and the file system accepts it)."""
+        self.stats = IoStats()
+        """Counts of the requests issued so far (:class:`~microspeed_zero.aio.IoStats`)."""
+        self._local = threading.local()
+        self._contexts: list[AioContext] = []
+        self._workers = [cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"microspeed-nvme{i}")
+                         for i in range(self.threads)]
+        self._finalizer = weakref.finalize(self, _cleanup, self._workers, self._contexts, self._entries, created,
+                                           True)
 
     # -- metadata -----------------------------------------------------------------------------
 
@@ -359,6 +402,42 @@ class TensorFileStore:
         finally:
             os.close(fd)
 
+    def _context(self) -> AioContext | None:
+        """This worker thread's kernel AIO context (made on first use), or ``None`` where there is none."""
+        ctx = getattr(self._local, "ctx", False)
+        if ctx is False:
+            ctx = None
+            reason = kernel_aio_unavailable()
+            if reason is None:
+                try:
+                    ctx = AioContext(self.queue_depth)
+                    with self._lock:
+                        self._contexts.append(ctx)
+                except OSError as exc:
+                    reason = f"io_setup failed: {exc.strerror or exc}"
+            if reason is not None:
+                warn_fallback_once(reason)
+            self._local.ctx = ctx
+        return ctx
+
+    def _direct(self, path: str, write: bool, address: int, view: memoryview, requests: list[tuple[int, int]],
+                base: int, stats: IoStats) -> None:
+        """Move page-aligned ``requests`` with ``O_DIRECT``: kernel AIO, or one ``pread``/``pwrite`` at a time."""
+        fd = os.open(path, (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT, 0o600)
+        try:
+            ctx = self._context()
+            if ctx is not None:
+                ctx.run(fd, write, address, requests, self.single_submit, self.overlap_events, stats, base)
+                return
+            for start, stop in requests:
+                stats.request(stop - start, True)
+                chunk = view[start:stop]
+                n = os.pwrite(fd, chunk, base + start) if write else os.preadv(fd, [chunk], base + start)
+                if n != stop - start:
+                    raise short_transfer(write, base + start + n, base + stop)
+        finally:
+            os.close(fd)
+
     def _submit(self, op: str, entry: _Entry, tensor: torch.Tensor, view: memoryview,
                 after: Iterable[SwapHandle], base: int = 0) -> SwapHandle:
         is_write = op == "write"
@@ -366,24 +445,45 @@ class TensorFileStore:
         with self._lock:
             earlier = [h for h, w in self._pending.get(entry.key, ()) if (w or is_write) and not h.done()]
             self._pending.setdefault(entry.key, []).append((handle, is_write))
+            first = self._next_worker
+            self._next_worker = (first + 1) % self.threads
         deps = [*earlier, *after]
         io = self._write_chunk if is_write else self._read_chunk
         path = entry.path
+        size = len(view)
+        address = tensor.data_ptr() if size else 0
+        aligned = self.direct and address % ALIGN == 0 and base % ALIGN == 0
+        body = size - size % ALIGN if aligned else 0  # whole pages: O_DIRECT; the rest buffered
+        step = self.block_size
+        requests = [(s, min(s + step, body)) for s in range(0, body, step)]
+        requests += [(s, min(s + step, size)) for s in range(body, size, step)] or ([] if size else [(0, 0)])
+        per = -(-len(requests) // self.threads)
+        stripes = [requests[i:i + per] for i in range(0, len(requests), per)]
 
-        def job(start: int, stop: int) -> None:
+        def job(stripe: list[tuple[int, int]]) -> None:
             for dep in deps:
                 dep._join()
-            io(path, view[start:stop], base + start)
+            stats = IoStats()
+            stats.threads.add(threading.get_ident())
+            try:
+                direct = [r for r in stripe if r[1] <= body and r[1] > r[0]]
+                if direct:
+                    self._direct(path, is_write, address, view, direct, base, stats)
+                for start, stop in stripe[len(direct):]:
+                    stats.request(stop - start, False)
+                    io(path, view[start:stop], base + start)
+            finally:
+                with self._lock:
+                    self.stats.merge(stats)
 
         handle._on_done.append(self._forget)
-        size = len(view)
         with self._lock:
             if is_write:
                 self.bytes_written += size
             else:
                 self.bytes_read += size
-        bounds = [(s, min(s + self.block_size, size)) for s in range(0, size, self.block_size)] or [(0, 0)]
-        handle._attach([self._pool.submit(job, s, e) for s, e in bounds])
+        handle._attach([self._workers[(first + i) % self.threads].submit(job, stripe)
+                        for i, stripe in enumerate(stripes)])
         return handle
 
     def _forget(self, handle: SwapHandle) -> None:
@@ -493,7 +593,7 @@ class TensorFileStore:
             self._finalizer()
         else:
             self._finalizer.detach()
-            _cleanup(self._pool, self._entries, [], remove=False)
+            _cleanup(self._workers, self._contexts, self._entries, [], remove=False)
 
     def __enter__(self) -> TensorFileStore:
         return self
@@ -503,7 +603,8 @@ class TensorFileStore:
 
     def __repr__(self) -> str:
         return (f"TensorFileStore({self.folder!r}, keys={len(self._entries)}, bytes={self.bytes_on_disk()}, "
-                f"threads={self.threads}, block_size={self.block_size}{', closed' if self._closed else ''})")
+                f"threads={self.threads}, block_size={self.block_size}, queue_depth={self.queue_depth}, "
+                f"direct={self.direct}{', closed' if self._closed else ''})")
 
 
 _ALIGN = 64
@@ -549,7 +650,7 @@ class Prefetcher:
             sizes = [max((lay[j][2] for lay in self._layouts if j < len(lay)), default=0) for j in range(width)]
             sizes = [-(-s // _ALIGN) * _ALIGN for s in sizes]
             count = max(1, min(int(buffer_count), len(self.groups)))
-            self._slots = [[torch.empty(s, dtype=torch.uint8) for s in sizes] for _ in range(count)]
+            self._slots = [[aligned_empty(s, torch.uint8) for s in sizes] for _ in range(count)]
         else:
             if not buffers:
                 raise ValueError("Prefetcher buffers must hold at least one slot")

@@ -30,6 +30,7 @@ from microspeed.plugin_api import (
     comm,
     hookimpl,
 )
+from microspeed_zero.aio import aio_section
 from microspeed_zero.compositions import CPU_STEP_IS_ADAM, FEATURES, REFUSALS
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
@@ -47,9 +48,10 @@ class ZeroPlugin:
 
     @hookimpl
     def microspeed_config_sections(self) -> dict:
-        """``zero_optimization`` and DeepSpeed's two top-level ZeRO switches."""
+        """``zero_optimization``, DeepSpeed's two top-level ZeRO switches and ``aio`` (the NVMe swap I/O)."""
         return {
             "zero_optimization": zero_section(),
+            "aio": aio_section(),
             "zero_allow_untested_optimizer": Field((bool,), False, "allow a ZeRO optimizer not known to be "
                                                    "element-wise (you vouch that it is)"),
             "zero_force_ds_cpu_optimizer": Field((bool,), True, "with offload_optimizer, refuse a client optimizer "

@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from microspeed.plugin_api import comm, replica_group
 from microspeed_zero.access import unwatch, watch
+from microspeed_zero.aio import aligned_empty
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf
 from microspeed_zero.partition import Segment
@@ -153,7 +154,7 @@ class ParameterPartitioner:
             from microspeed_zero.nvme import TensorFileStore, rank_folder
 
             folder = os.path.join(rank_folder(self.cfg.offload_param_nvme_path, comm.get_rank()), f"params{id(self)}")
-            self.store = TensorFileStore(folder)
+            self.store = TensorFileStore(folder, **self.cfg.aio.store_options())  # the aio section: direct I/O
         self._partition(model)
         self._install_hooks(model)
 
@@ -275,7 +276,7 @@ class ParameterPartitioner:
             return self.shards[index]
         if index not in self.loaded:
             seg = self.segments[index]
-            buf = torch.empty(seg.shard_size, dtype=seg.dtype, pin_memory=self.pin)
+            buf = aligned_empty(seg.shard_size, seg.dtype, self.pin)  # page-aligned: O_DIRECT
             self.loaded[index] = self.store.read(f"shard{index}", buf)
         return self.loaded[index]
 
@@ -307,7 +308,7 @@ class ParameterPartitioner:
         if seg.index in self.in_files:  # offload_param nvme: read for this gather only (unless held for a step)
             shard = self.loaded.get(seg.index)
             if shard is None:
-                shard = self.store.read(f"shard{seg.index}", torch.empty(seg.shard_size, dtype=seg.dtype))
+                shard = self.store.read(f"shard{seg.index}", aligned_empty(seg.shard_size, seg.dtype))
         if shard.device != flat.device:  # offload_param: host shard to the compute device first
             shard = shard.to(flat.device, non_blocking=True)
         work = _gather_into(flat, shard, seg.group, async_op)

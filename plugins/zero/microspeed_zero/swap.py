@@ -74,6 +74,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam as _adam
 
 from microspeed.plugin_api import ConfigError, ElementwiseState, ParameterSums
+from microspeed_zero.aio import aligned_empty
 from microspeed_zero.grad_swap import GradientSwapper
 from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore, rank_folder
 
@@ -168,7 +169,7 @@ class OptimizerSwapper:
         largest = max((sg.numel for sg in self.subgroups), default=0)
         pin = bool(cfg.pin_memory) and torch.cuda.is_available()
         count = min(int(cfg.buffer_count), len(self.subgroups))
-        self._slots = [[torch.empty(largest, dtype=torch.float32, pin_memory=pin) for _ in self.tensor_names]
+        self._slots = [[aligned_empty(largest, torch.float32, pin) for _ in self.tensor_names]
                        for _ in range(count)]
         self._budget = int(cfg.buffer_count) * largest * 4 * len(self.tensor_names)
         self._prefetchers: dict[tuple[Any, ...], Prefetcher] = {}
@@ -181,7 +182,7 @@ class OptimizerSwapper:
         self._writeback = False
         folder = os.path.join(rank_folder(cfg.offload_optimizer_nvme_path, _global_rank(rt)),
                               f"optimizer{next(_SEQUENCE)}")
-        self.store = TensorFileStore(folder)
+        self.store = TensorFileStore(folder, **cfg.aio.store_options())  # the aio section: direct I/O
         try:
             self._write_initial(dict(rt.masters))
             if rt.streams_gradients:
