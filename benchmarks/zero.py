@@ -8,12 +8,17 @@ Usage (2 ranks, gloo, CPU; the default run takes about 5.5 minutes on 2 idle cor
     python benchmarks/zero.py --json-out zero.json  # also write every number as JSON
     python benchmarks/zero.py --repeats 3           # the engine list 3 times, round robin (a shared machine)
     python benchmarks/zero.py --from-runs a.json.runs b.json.runs   # pool saved runs, run nothing
+    python benchmarks/zero.py --model mha --schedule interleaved --engines ddp,microspeed_z1,deepspeed_z1
 
 What is measured, and how:
 
-* **Model**: :class:`microspeed.demo.model.GPT` with ``GPTConfig(vocab_size=32000, d_model=512, n_layer=4,
-  n_head=8, seq_len=64, tie_weights=False)`` (about 45M parameters; ``--small``: 256/64/2/4/32, about
-  0.1M), fp32 (``--bf16``: bf16 with fp32 masters for microspeed and DeepSpeed, ``torch.autocast`` for
+* **Model** (``--model``): ``demo`` (default), :class:`microspeed.demo.model.GPT` with
+  ``GPTConfig(vocab_size=32000, d_model=512, n_layer=4, n_head=8, seq_len=64, tie_weights=False)`` (about 45M
+  parameters; ``--small``: 256/64/2/4/32, about 0.1M); ``mha``, :class:`microspeed.models.torch_blocks.TorchBlocksGPT`
+  (torch's ``nn.TransformerEncoderLayer`` blocks, so ``nn.MultiheadAttention``) with the same sizes (45.4M;
+  ``--small``: 256/64/2/4/32); ``mlp``, :class:`microspeed.models.torch_blocks.WideMLP`, 4 layers of width 2048
+  over a 256-token vocabulary, sequence 64 (17.8M; ``--small``: width 128); fp32
+  (``--bf16``: bf16 with fp32 masters for microspeed and DeepSpeed, ``torch.autocast`` for
   DDP and FSDP2's ``MixedPrecisionPolicy``: not bit-comparable, and bf16 matmuls are slow on CPU).
 * **Engines** (``--engines``, comma-separated): ``ddp`` (``DistributedDataParallel``), ``fsdp2``
   (``fully_shard`` per block and at the root), ``microspeed_z{1,2,3}`` and ``deepspeed_z{1,2,3}`` with
@@ -39,6 +44,12 @@ What is measured, and how:
   times, round robin (fresh processes each time), and the medians pool every repeat's steps; the ratio to
   DDP of each repeat's median is printed too (on a machine shared with other work, load swings between
   engines run minutes apart otherwise decide the ratios).
+* **Interleaved** (``--schedule interleaved``): one 2-rank job builds every engine's model (each from
+  ``--seed``) in the same processes and runs step ``i`` of every engine, in an order rotated by one each step,
+  before step ``i + 1`` of any (as ``bench_data_parallel.py`` does), so drift of a shared machine hits all
+  engines alike; ``paired x DDP`` is the median over steps of the engine's step time over DDP's in the same
+  step. Peak RSS cannot be told apart in one process, so each engine then also runs alone in fresh processes
+  for ``--memory-steps`` steps (after one warm-up) for its memory figures; ``--memory-steps 0`` skips that.
 * **Memory**: peak RSS is ``VmHWM`` from ``/proc/self/status`` at the end, the maximum over ranks
   (it includes the interpreter, torch, the framework's imports — DeepSpeed's add about 20 MiB — and the
   model as built, before the engine takes it over);
@@ -91,8 +102,10 @@ import torch.distributed as dist  # noqa: E402
 from common import core_fingerprint, make_batches  # noqa: E402 - benchmarks/ is on sys.path as a script
 
 from microspeed.demo.model import GPT, GPTConfig  # noqa: E402
+from microspeed.models.torch_blocks import TorchBlocksGPT, WideMLP  # noqa: E402
 from microspeed.testing import DistributedTestError, run_distributed  # noqa: E402
 
+MODELS = ("demo", "mha", "mlp")
 ENGINE_RE = re.compile(r"^(ddp|fsdp2|(microspeed|deepspeed)_z([123])(_rb5e8)?)$")
 DEFAULT_ENGINES = (
     "ddp", "fsdp2",
@@ -111,6 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per engine (default 10; --small 30)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the timed ones")
     p.add_argument("--small", action="store_true", help="tiny model (smoke run)")
+    p.add_argument("--model", choices=MODELS, default="demo", help="model shape (see the module docstring)")
+    p.add_argument("--schedule", choices=("sequential", "interleaved"), default="sequential",
+                   help="one job per engine, or every engine in one job, step by step in rotating order")
+    p.add_argument("--memory-steps", type=int, default=2,
+                   help="--schedule interleaved: steps of each engine's own memory run (0: no memory runs)")
     p.add_argument("--bf16", action="store_true", help="bf16 instead of fp32 (see the module docstring)")
     p.add_argument("--micro", type=int, default=2, help="micro-batch per rank")
     p.add_argument("--world", type=int, default=2, help="ranks per engine")
@@ -136,10 +154,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_config(small: bool) -> GPTConfig:
-    """The GPT of the benchmark (about 45M parameters), or a tiny one for ``--small``."""
+    """The GPT sizes of the benchmark (about 45M parameters), or tiny ones for ``--small``."""
     if small:
         return GPTConfig(vocab_size=256, d_model=64, n_layer=2, n_head=4, seq_len=32, tie_weights=False)
     return GPTConfig(vocab_size=32000, d_model=512, n_layer=4, n_head=8, seq_len=64, tie_weights=False)
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """A fresh ``--model`` from the global RNG (seed it first)."""
+    cfg = model_config(args.small)
+    if args.model == "mha":
+        return TorchBlocksGPT(cfg.vocab_size, cfg.d_model, cfg.n_layer, cfg.n_head, cfg.seq_len)
+    if args.model == "mlp":
+        return WideMLP(256, 128 if args.small else 2048, 4)
+    return GPT(cfg)
+
+
+def model_description(args: argparse.Namespace) -> str:
+    """The model's name and sizes, for the report."""
+    cfg = model_config(args.small)
+    if args.model == "mha":
+        return (f"TorchBlocksGPT(nn.TransformerEncoderLayer; vocab {cfg.vocab_size}, d_model {cfg.d_model}, "
+                f"{cfg.n_layer} layers, {cfg.n_head} heads, seq {cfg.seq_len})")
+    if args.model == "mlp":
+        return f"WideMLP(vocab 256, 4 layers of width {128 if args.small else 2048}, seq {cfg.seq_len})"
+    return f"GPT {cfg}"
 
 
 def proc_status() -> dict[str, int]:
@@ -277,7 +316,7 @@ def build_engine(name: str, model: torch.nn.Module, args: argparse.Namespace) ->
         mesh = init_device_mesh("cpu", (world,))
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16
               else MixedPrecisionPolicy())
-        for block in model.blocks:
+        for block in getattr(model, "blocks", None) or model.layers:
             fully_shard(block, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         try:
@@ -325,8 +364,8 @@ def rank_main(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cfg = model_config(args.small)
     batches = make_batches(args.warmup + args.steps, args.micro * world, cfg.seq_len)
     torch.manual_seed(args.seed)
-    model = GPT(cfg)
-    n_params = model.num_parameters()
+    model = build_model(args)
+    n_params = sum(p.numel() for p in model.parameters())
     mem_built = proc_status()
     t_built = time.perf_counter()
     step, info = build_engine(name, model, args)
@@ -358,7 +397,77 @@ def rank_main(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def rank_interleaved(names: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of the interleaved schedule: build every engine, then step ``i`` of each (rotating order)."""
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name in names:
+        import_framework(name)
+    batches = make_batches(args.warmup + args.steps, args.micro * world, model_config(args.small).seq_len)
+    steps: dict[str, StepFn] = {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        torch.manual_seed(args.seed)
+        model = build_model(args)
+        steps[name], info = build_engine(name, model, args)
+        info.pop("breakdown_fn", None)
+        out[name] = {"times": [], "cpu": [], "phases": [], "losses": [], **info}
+        del model
+    lo, hi = rank * args.micro, (rank + 1) * args.micro
+    for i, (x, y) in enumerate(batches):
+        for k in range(len(names)):
+            name = names[(i + k) % len(names)]
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            loss, phase = steps[name](x[lo:hi], y[lo:hi])
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            r = out[name]
+            r["losses"].append(float(loss.detach().float()))
+            if i >= args.warmup:
+                r["times"].append(dt)
+                r["cpu"].append(dc)
+                r["phases"].append(phase)
+    dist.barrier()
+    return out
+
+
 # ---------------------------------------------------------------------------------------- parent
+
+
+def run_interleaved(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Time every engine in one job (``rank_interleaved``); add each engine's memory from a run of its own."""
+    load0, t0 = os.getloadavg()[0], time.perf_counter()
+    try:
+        ranks = run_distributed(rank_interleaved, world_size=args.world, args=(args.engine_list, args),
+                                timeout=args.timeout * len(args.engine_list))
+    except DistributedTestError as exc:
+        return {name: {"failed": str(exc), "wall_s": time.perf_counter() - t0} for name in args.engine_list}
+    wall, load = time.perf_counter() - t0, [load0, os.getloadavg()[0]]
+    mem_args = argparse.Namespace(**{**vars(args), "steps": args.memory_steps, "warmup": 1})
+    out = {}
+    for name in args.engine_list:
+        rs = [r[name] for r in ranks]
+        timing = {
+            "step_s": [max(r["times"][i] for r in rs) for i in range(args.steps)],
+            "cpu_s": [statistics.fmean(r["cpu"][i] for r in rs) for i in range(args.steps)],
+            "phases_s": rs[0]["phases"],
+            "losses": [statistics.fmean(r["losses"][i] for r in rs) for i in range(args.warmup + args.steps)],
+            "wall_s": wall, "loadavg_1m": load,
+            **{k: rs[0][k] for k in ("optimizer", "zero_optimization", "kernel") if k in rs[0]},
+        }
+        if args.memory_steps > 0:
+            print(f"  memory run of {name} ...", flush=True)
+            mem = run_engine(name, mem_args)
+            if "failed" in mem:
+                out[name] = mem
+                continue
+            timing = {**mem, **timing, "loadavg_1m": load + mem["loadavg_1m"]}
+        else:  # no memory figures: zeros keep the tables' columns
+            timing.update({k: 0.0 for k in ("peak_rss_mib", "rss_growth_mib", "peak_growth_mib", "rss_built_mib",
+                                            "setup_s", "start_s")}, peak_rss_per_rank_mib=[], breakdown=None)
+        out[name] = timing
+    return out
 
 
 def run_engine(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -436,6 +545,8 @@ def add_ratios(results: dict[str, dict[str, Any]]) -> None:
             r["cpu_over_ddp"] = r["median_cpu_s"] / ddp["median_cpu_s"]
             r["repeat_over_ddp"] = [a / b for a, b in zip(r["repeat_median_step_s"], ddp["repeat_median_step_s"],
                                                           strict=False)]
+            r["paired_over_ddp"] = statistics.median(a / b for a, b in zip(r["step_ms"], ddp["step_ms"],
+                                                                            strict=False))
             r["loss_max_rel_diff_vs_ddp"] = max(abs(a - b) / max(abs(b), 1e-12)
                                                 for a, b in zip(r["losses"], ddp["losses"], strict=True))
         peer = results.get(ds_peer(name) or "", {})
@@ -453,7 +564,8 @@ def fmt(v: float | None, spec: str) -> str:
 
 def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
     """Two tables (time, memory), the microspeed memory breakdowns, the bucket comparison, per-engine facts."""
-    print(f"\n{'engine':<22}{'median ms':>10}{'x DDP':>7}{'x DS':>7}{'min ms':>9}{'max ms':>9}{'fwd/bwd/step ms':>20}"
+    print(f"\n{'engine':<22}{'median ms':>10}{'x DDP':>7}{'paired':>7}{'x DS':>7}{'min ms':>9}{'max ms':>9}"
+          f"{'fwd/bwd/step ms':>20}"
           f"{'CPU ms':>9}{'x DDP':>7}{'x DS':>7}{'last loss':>11}{'rel diff':>10}")
     for name in names:
         r = results[name]
@@ -462,7 +574,8 @@ def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
             continue
         ph = "/".join(f"{p * 1e3:.0f}" for p in r["phase_median_s"])
         print(f"{name:<22}{r['median_step_s'] * 1e3:>10.1f}{fmt(r.get('over_ddp'), '.2f'):>7}"
-              f"{fmt(r.get('over_ds'), '.2f'):>7}{r['min_step_s'] * 1e3:>9.1f}{r['max_step_s'] * 1e3:>9.1f}{ph:>20}"
+              f"{fmt(r.get('paired_over_ddp'), '.2f'):>7}{fmt(r.get('over_ds'), '.2f'):>7}"
+              f"{r['min_step_s'] * 1e3:>9.1f}{r['max_step_s'] * 1e3:>9.1f}{ph:>20}"
               f"{r['median_cpu_s'] * 1e3:>9.1f}{fmt(r.get('cpu_over_ddp'), '.2f'):>7}"
               f"{fmt(r.get('cpu_over_ds'), '.2f'):>7}"
               f"{r['losses'][-1]:>11.5f}{fmt(r.get('loss_max_rel_diff_vs_ddp'), '.1e'):>10}")
@@ -475,7 +588,9 @@ def print_report(results: dict[str, dict[str, Any]], names: list[str]) -> None:
                   f"{fmt(r.get('rss_over_ds'), '.2f'):>7}{r['rss_built_mib']:>10.0f}{r['rss_growth_mib']:>8.0f}"
                   f"{r['peak_growth_mib']:>8.0f}{fmt(r.get('growth_over_ddp'), '.2f'):>7}"
                   f"{fmt(r.get('growth_over_ds'), '.2f'):>7}")
-    print("\n  x DDP / x DS: over DDP / over DeepSpeed at the same stage and bucket. Time: slowest rank per step; "
+    print("\n  x DDP / x DS: over DDP / over DeepSpeed at the same stage and bucket; paired: median over steps of "
+          "the step time over DDP's step of the same index (same moment under --schedule interleaved). "
+          "Time: slowest rank per step; "
           "fwd/bwd/step: rank 0's phase medians; CPU: process CPU time per step, mean over ranks. Memory (MiB, max "
           "over ranks): peak = VmHWM; baseline = RSS after the model build; growth = RSS at the end minus baseline; "
           "pk grw = peak minus baseline. rel diff: max relative difference of the per-step losses from DDP's.")
@@ -511,8 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run every engine; print the report; return 1 if any engine failed."""
     args = parse_args(argv)
     cfg = model_config(args.small)
-    n_params = GPT(cfg).num_parameters()
-    print(f"zero benchmark: GPT {cfg} ({n_params:,} params), {args.world} ranks x micro-batch {args.micro} x "
+    n_params = sum(p.numel() for p in build_model(args).parameters())
+    print(f"zero benchmark: {model_description(args)} ({n_params:,} params), {args.schedule}, "
+          f"{args.world} ranks x micro-batch {args.micro} x "
           f"{cfg.seq_len} tokens, {'bf16' if args.bf16 else 'fp32'}, AdamW lr {args.lr}, clip {args.clip}, "
           f"{args.warmup} warm-up + {args.steps} timed steps; torch {torch.__version__}, Python "
           f"{platform.python_version()}, {os.cpu_count()} CPUs, gloo, 1 thread/rank", flush=True)
@@ -524,6 +640,15 @@ def main(argv: list[str] | None = None) -> int:
         args.engine_list = list(runs)
     # Round robin over the engines, repeat after repeat: slow drifts of a shared machine hit every engine alike.
     for rep in range(0 if args.from_runs else args.repeats):
+        if args.schedule == "interleaved":
+            print(f"  running {', '.join(args.engine_list)} interleaved" + (f" (repeat {rep + 1}/{args.repeats})"
+                                                                            if args.repeats > 1 else "") + " ...",
+                  flush=True)
+            for name, r in run_interleaved(args).items():
+                runs[name].append(r)
+            if args.json_out:
+                Path(args.json_out + ".runs").write_text(json.dumps(runs) + "\n")
+            continue
         for name in args.engine_list:
             print(f"  running {name}" + (f" (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else "") + " ...",
                   flush=True)
@@ -540,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(results)
     print_report(results, args.engine_list)
     meta = {
-        "benchmark": "zero", "model": str(cfg), "params": n_params, "world": args.world, "micro": args.micro,
+        "benchmark": "zero", "model": model_description(args), "schedule": args.schedule,
+        "params": n_params, "world": args.world, "micro": args.micro,
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "bf16": args.bf16, "lr": args.lr,
         "clip": args.clip,
         "reduce_bucket": args.reduce_bucket, "torch": torch.__version__, "python": platform.python_version(),
