@@ -510,7 +510,10 @@ class TensorFileStore:
             if offset is not None:
                 raise KeyError(f"no tensor {key!r} in the NVMe swap store at {self.folder!r}; allocate() it before "
                                f"writing a piece at offset {offset}")
-            self._new_entry(key, tensor.numel(), tensor.dtype)
+            if self.direct:  # sized first: ext4 serialises direct writes that grow a file (0.3 vs 1.2-1.8 GB/s here)
+                self.allocate(key, tensor.numel(), tensor.dtype)
+            else:
+                self._new_entry(key, tensor.numel(), tensor.dtype)
         entry = self._matching(key, tensor, "tensor written", offset)
         return self._submit("write", entry, tensor, view, after, int(offset or 0) * tensor.element_size())
 
