@@ -374,20 +374,25 @@ def nvme_traffic(est: MemoryEstimate, grad_accum: int = 1, max_in_cpu: int = 1_0
     * ``offload_optimizer = "nvme"``: the optimizer swapper (:mod:`microspeed_zero.swap`) reads every
       sub-group's fp32 master and state tensors once per step and writes them back once:
       ``est.optimizer_states.nvme`` bytes each way (Adam: 4 + 2·4 bytes per element of the partition).
+      At stages 2 and 3 the gradient partition lives in the same files (:mod:`microspeed_zero.grad_swap`,
+      in the model's dtype): each micro-step writes it (and, after the first, reads it back to accumulate),
+      and the step reads it once: ``grad_accum`` × p bytes per element each way.
     * ``offload_param = "nvme"`` (stage 3): shards beyond ``offload_param.max_in_cpu`` elements live in
       files (``est.params.nvme`` scaled to that part); each micro-step's forward and backward read them for
       their gathers (at most twice: a segment kept gathered from forward into backward is not re-read),
       and the step reads them once more and writes them back once:
       reads ``(2·grad_accum + 1)`` × and writes 1 × the file-resident bytes.
 
-    The fp32 gradient partition the step reads stays in memory (not counted).
+    At stage 1 the gradients stay in memory (not counted). Gradients accumulated in fp32
+    (``data_types.grad_accum_dtype``) move 4 bytes per element instead of p.
     """
     grad_accum = _check_int("grad_accum", grad_accum, 1)
     max_in_cpu = _check_int("max_in_cpu", max_in_cpu, 0)
     opt = est.optimizer_states.nvme
     share = math.ceil(est.num_params / est.world_size)
+    grads = grad_accum * PRECISIONS[est.precision] * share if opt and est.stage >= 2 else 0
     in_files = est.params.nvme * max(0, share - max_in_cpu) // share if share else 0
-    return opt + (2 * grad_accum + 1) * in_files, opt + in_files
+    return opt + grads + (2 * grad_accum + 1) * in_files, opt + grads + in_files
 
 
 # --------------------------------------------------------------------------------------------------- CLI

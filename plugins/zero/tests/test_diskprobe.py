@@ -43,8 +43,9 @@ def test_cli_prints_bandwidths_and_step_times(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "O_DIRECT" in out and " GB/s" in out and "GFLOP/s" in out
     row = [line for line in out.splitlines() if line.startswith("3 ") and "nvme/nvme" in line][-1]
-    # 10M params, 1 rank, bf16 Adam: optimizer 12 B/param each way; params 2 B/param read 3x, written once
-    assert "171.7 MiB" in row and "133.5 MiB" in row and row.split()[-1] in ("I/O", "compute")
+    # 10M params, 1 rank, bf16 Adam: optimizer 12 B/param each way, bf16 gradients 2 B/param each way;
+    # params 2 B/param read 3x, written once: 200e6 B read, 160e6 B written
+    assert "190.7 MiB" in row and "152.6 MiB" in row and row.split()[-1] in ("I/O", "compute")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -53,17 +54,23 @@ def test_step_time_arithmetic_equals_a_hand_computation() -> None:
     est = estimate_memory(psi, n, 3, offload_optimizer="nvme", offload_param="nvme")
     share = psi // n
     # optimizer: fp32 master + 2 Adam moments = 12 B per element, read once and written once per step;
-    # parameters (bf16, all in files): read by forward and backward of each of 2 micro-steps and by the step
-    assert nvme_traffic(est, grad_accum=2, max_in_cpu=0) == (12 * share + 5 * 2 * share, 12 * share + 2 * share)
+    # gradients (bf16, in the optimizer's files): written by each of 2 micro-steps, read back by the second
+    # and by the step; parameters (bf16, all in files): read by forward and backward of each micro-step and
+    # by the step, written once
+    grads = 2 * 2 * share
+    assert nvme_traffic(est, grad_accum=2, max_in_cpu=0) == (12 * share + grads + 5 * 2 * share,
+                                                             12 * share + grads + 2 * share)
     # max_in_cpu keeps 4e8 elements in memory: only the other 2e8 are in files
-    assert nvme_traffic(est, grad_accum=2, max_in_cpu=400_000_000) == (12 * share + 5 * 2 * 200_000_000,
-                                                                       12 * share + 2 * 200_000_000)
-    read, write = nvme_traffic(est, grad_accum=2, max_in_cpu=0)  # 13.2e9, 8.4e9
+    assert nvme_traffic(est, grad_accum=2, max_in_cpu=400_000_000) == (12 * share + grads + 5 * 2 * 200_000_000,
+                                                                       12 * share + grads + 2 * 200_000_000)
+    # stage 1 keeps gradients in memory
+    assert nvme_traffic(estimate_memory(psi, n, 1, offload_optimizer="nvme"), grad_accum=2) == (12 * psi // n,) * 2
+    read, write = nvme_traffic(est, grad_accum=2, max_in_cpu=0)  # 15.6e9, 10.8e9
     disk = DiskBandwidth("/x", 10**9, 16 << 20, write_seconds=1.0, read_seconds=0.5, direct=True)  # 1 GB/s, 2 GB/s
     t = step_time(read, write, psi, 1000, disk, 1e12)
-    assert t.io_seconds == pytest.approx(13.2e9 / 2e9 + 8.4e9 / 1e9)  # 15.0 s
+    assert t.io_seconds == pytest.approx(15.6e9 / 2e9 + 10.8e9 / 1e9)  # 18.6 s
     assert t.compute_seconds == pytest.approx(6 * psi * 1000 / 1e12)  # 7.2 s
-    assert (t.seconds, t.serial_seconds, t.bound) == (pytest.approx(15.0), pytest.approx(22.2), "I/O")
+    assert (t.seconds, t.serial_seconds, t.bound) == (pytest.approx(18.6), pytest.approx(25.8), "I/O")
     assert step_time(0, 0, psi, 1000, disk, 1e12).bound == "compute"
     # without NVMe offload nothing moves
     assert nvme_traffic(estimate_memory(psi, n, 3, offload_optimizer="cpu", offload_param="cpu")) == (0, 0)
