@@ -16,8 +16,9 @@ one more file per sub-group (``subgroup<k>/grad``, in the accumulation dtype —
   coefficient (:meth:`GradientSwapper.fp32`). Segments not written in this window read as zeros.
 
 Elements of a slice that no sub-group stores (padding, parameters in no param group) are not kept, and count
-zero in the norm. Resident memory: ``buffers`` slices of the largest segment plus the step's slots and one
-fp32 sub-group (:meth:`GradientSwapper.budget_bytes`), whatever the model's size.
+zero in the norm. Resident memory: at most ``buffers`` segment buffers (allocated as needed, each reused for
+any slice it holds, so a model with one large embedding keeps one large buffer), the step's slots and one fp32
+sub-group — bounded by :meth:`GradientSwapper.budget_bytes` whatever the model's size.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class GradientSwapper:
             if at < self.size[index]:
                 gaps.append((at, self.size[index]))
             self.gaps[index] = gaps
-        largest = max(self.size.values(), default=0)
-        self._buffers = [torch.empty(largest, dtype=dtype) for _ in range(max(3, int(buffers)))]
+        self._largest = max(self.size.values(), default=0)
+        self._buffers: list[torch.Tensor | None] = [None] * max(3, int(buffers))  # allocated on demand
         self._free = list(range(len(self._buffers)))
         self._reads: dict[int, tuple[int, list[SwapHandle]]] = {}
         self._held: dict[int, int] = {}
@@ -97,8 +98,9 @@ class GradientSwapper:
         """Whether segment ``index``'s gradient lives in the files (it has optimized elements)."""
         return index in self.layout
 
-    def _take(self) -> int:
-        """A free buffer, waiting for the oldest write when none is."""
+    def _take(self, numel: int) -> int:
+        """A free buffer of at least ``numel`` elements, waiting for the oldest write when none is free: the smallest
+        that fits, else an unallocated one, else the largest free one is replaced by one of ``numel``."""
         while not self._free:
             if not self._writes:
                 raise RuntimeError("GradientSwapper: every gradient buffer is held by a reduction in flight; "
@@ -107,7 +109,16 @@ class GradientSwapper:
             for h in handles:
                 h.wait()
             self._free.append(b)
-        return self._free.pop()
+        bufs = self._buffers
+        fits = [b for b in self._free if bufs[b] is not None and bufs[b].numel() >= numel]
+        if fits:
+            b = min(fits, key=lambda i: bufs[i].numel())
+        else:
+            b = max(self._free, key=lambda i: -1 if bufs[i] is None else bufs[i].numel())
+            bufs[b] = None  # freed before its successor is allocated
+            bufs[b] = torch.empty(numel, dtype=self.dtype)
+        self._free.remove(b)
+        return b
 
     def _view(self, b: int, index: int) -> torch.Tensor:
         return self._buffers[b][:self.size[index]]
@@ -116,7 +127,7 @@ class GradientSwapper:
         """The reduction of ``index`` starts: read back what this window accumulated so far (asynchronously)."""
         if index not in self.written or index in self._reads or index in self._held:
             return
-        b = self._take()
+        b = self._take(self.size[index])
         view = self._view(b, index)
         self._reads[index] = (b, [self.store.read_async(key, view[start:end], offset=off)
                                   for key, start, end, off in self.layout[index]])
@@ -130,7 +141,7 @@ class GradientSwapper:
             self.prefetch(index)
         read = self._reads.pop(index, None)
         if read is None:
-            b = self._take()
+            b = self._take(self.size[index])
             view = self._view(b, index).zero_()
         else:
             b, handles = read
@@ -210,13 +221,15 @@ class GradientSwapper:
     # -- accounting ----------------------------------------------------------------------------
 
     def resident_bytes(self) -> int:
-        """Bytes of the buffers (allocated once): segment buffers, step slots and the fp32 sub-group."""
-        tensors = [*self._buffers, *(t for slot in self._slots for t in slot), self._fp32]
+        """Bytes of the buffers now: segment buffers allocated so far, step slots and the fp32 sub-group."""
+        tensors = [*(b for b in self._buffers if b is not None), *(t for slot in self._slots for t in slot), self._fp32]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def budget_bytes(self) -> int:
-        """What :meth:`resident_bytes` may reach: fixed by the largest segment and sub-group, not by the model."""
-        return self.resident_bytes()
+        """What :meth:`resident_bytes` may reach: every segment buffer as large as the largest segment's slice, the
+        step's slots and fp32 sub-group — fixed by the largest segment and sub-group, not by the model."""
+        fixed = sum(t.untyped_storage().nbytes() for t in [*(t for slot in self._slots for t in slot), self._fp32])
+        return fixed + len(self._buffers) * self._largest * self.dtype.itemsize
 
     def bytes_on_disk(self) -> int:
         """Bytes of the gradient files (one element per optimized element of this rank's partition)."""
@@ -229,5 +242,5 @@ class GradientSwapper:
             for h in handles:
                 h._join()
         self._prefetchers.clear()
-        self._buffers, self._slots = [], []
+        self._buffers, self._free, self._slots = [], [], []
         self._fp32 = torch.empty(0)
