@@ -99,26 +99,37 @@ class GradientSwapper:
         return index in self.layout
 
     def _take(self, numel: int) -> int:
-        """A free buffer of at least ``numel`` elements, waiting for the oldest write when none is free: the smallest
-        that fits, else an unallocated one, else the largest free one is replaced by one of ``numel``."""
-        while not self._free:
-            if not self._writes:
+        """A free buffer of at least ``numel`` elements: the smallest free one that fits (buffers whose writes
+        finished are free again), else the oldest one writing that fits (waited for), else an unallocated one or
+        the largest free one, replaced by one of ``numel`` — so large buffers exist only as many as are needed at
+        once."""
+        bufs = self._buffers
+        while self._writes and all(h.done() for h in self._writes[0][1]):
+            self._reclaim()
+        while True:
+            fits = [b for b in self._free if bufs[b] is not None and bufs[b].numel() >= numel]
+            if fits:
+                b = min(fits, key=lambda i: bufs[i].numel())
+                break
+            if any(bufs[w].numel() >= numel for w, _ in self._writes) or (self._writes and not self._free):
+                self._reclaim()  # the oldest write; its buffer (or a later one) serves
+                continue
+            if not self._free:
                 raise RuntimeError("GradientSwapper: every gradient buffer is held by a reduction in flight; "
                                    "more reductions are pending than the buffers allow")
-            b, handles = self._writes.popleft()
-            for h in handles:
-                h.wait()
-            self._free.append(b)
-        bufs = self._buffers
-        fits = [b for b in self._free if bufs[b] is not None and bufs[b].numel() >= numel]
-        if fits:
-            b = min(fits, key=lambda i: bufs[i].numel())
-        else:
             b = max(self._free, key=lambda i: -1 if bufs[i] is None else bufs[i].numel())
             bufs[b] = None  # freed before its successor is allocated
             bufs[b] = torch.empty(numel, dtype=self.dtype)
+            break
         self._free.remove(b)
         return b
+
+    def _reclaim(self) -> None:
+        """Wait for the oldest write and free its buffer."""
+        b, handles = self._writes.popleft()
+        for h in handles:
+            h.wait()
+        self._free.append(b)
 
     def _view(self, b: int, index: int) -> torch.Tensor:
         return self._buffers[b][:self.size[index]]
