@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/zero3_nvme_rss.py [--nvme-path DIR] [--layers 8] [--width 768] [--vocab 16000]
                                         [--steps 3] [--sub-group 4e6] [--buffers 2] [--max-in-cpu 0]
-                                        [--gas 1] [--precision bf16]
+                                        [--gas 1] [--precision bf16] [--heads 12] [--tie] [--live 3e7]
 
 Builds the demo GPT (default: vocab 16000, width 768, 8 layers, no tied weights: 81M parameters) under
 ``microspeed.zero.Init(remote_device="nvme")``, trains it with ZeRO-3, ``offload_param`` and
@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--vocab", type=int, default=16000)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--tie", action="store_true", help="share the LM head with the token embedding")
+    parser.add_argument("--live", type=float, default=3e7, help="stage3_max_live_parameters")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gas", type=int, default=1, help="micro-steps per optimizer step")
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = opts.nvme_path or tempfile.mkdtemp(prefix="microspeed-nvme-")
     zero = {"stage": 3, "sub_group_size": opts.sub_group, "stage3_param_persistence_threshold": 0,
-            "stage3_max_live_parameters": 3e7, "stage3_prefetch_bucket_size": 1e7,
+            "stage3_max_live_parameters": opts.live, "stage3_prefetch_bucket_size": opts.live / 3,
             "offload_param": {"device": "nvme", "nvme_path": path, "max_in_cpu": opts.max_in_cpu},
             "offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": opts.buffers}}
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": opts.gas, "steps_per_print": 10_000,
@@ -153,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
            "zero_optimization": zero}
     if opts.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    gcfg = GPTConfig(vocab_size=opts.vocab, d_model=opts.width, n_layer=opts.layers, n_head=12, seq_len=opts.seq,
-                     tie_weights=False)
+    gcfg = GPTConfig(vocab_size=opts.vocab, d_model=opts.width, n_layer=opts.layers, n_head=opts.heads,
+                     seq_len=opts.seq, tie_weights=opts.tie)
     log: list = []
     base = _status()["VmRSS"]
     torch.manual_seed(0)

@@ -13,7 +13,9 @@ parameter) is >= 5x it. Checked:
 * the swap files' traffic per step is exactly the streamed state: the optimizer files read masters, moments
   and gradients once and the gradients once more per extra micro-step, write masters, moments and one
   gradient pass per micro-step; the parameter files receive the new weights once;
-* losses and final weights equal an in-memory ZeRO-3 run of the same model in fp32.
+* losses and final weights equal an in-memory ZeRO-3 run of the same model in fp32;
+* in fp16, a loss scale that overflows vetoes the same steps as in memory (from the finiteness kept as each
+  slice was written).
 """
 
 from __future__ import annotations
@@ -131,3 +133,36 @@ def test_model_five_times_over_the_budget_trains_as_in_memory(tmp_path):
     for got, want in zip(weights, ref_weights, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     swapper.close()
+
+
+@pytest.mark.timeout(300)
+def test_fp16_overflow_skips_the_step_as_in_memory(tmp_path):
+    """fp16 with a loss scale that overflows first: the finiteness kept as gradients were written vetoes the same
+    steps as the in-memory run (losses and loss scales equal), and a skipped window leaves nothing behind."""
+    microspeed.init_distributed()
+
+    def run(nvme: str | None) -> tuple[list[float], list[float]]:
+        cfg = _config(nvme)
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 19, "loss_scale_window": 2, "hysteresis": 1}
+        torch.manual_seed(0)
+        engine = microspeed.initialize(model=GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16,
+                                                           tie_weights=False)), config=cfg)[0]
+        gen = torch.Generator().manual_seed(1)
+        losses, scales = [], []
+        for _ in range(8 * GAS):
+            x = torch.randint(0, 64, (2, 9), generator=gen)
+            loss = engine(x[:, :-1], x[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            scales.append(engine.metrics.get("loss_scale"))
+        if engine.plugin_state("zero").swapper is not None:
+            engine.plugin_state("zero").swapper.close()
+        return losses, scales
+
+    losses, scales = run(str(tmp_path / "swap"))
+    ref_losses, ref_scales = run(None)
+    assert scales == ref_scales, (scales, ref_scales)
+    moves = [b / a for a, b in zip(scales[1:], scales[2:], strict=False) if a != b]
+    assert 0.5 in moves and 2.0 in moves, scales  # steps vetoed by an overflow, and windows applied
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
