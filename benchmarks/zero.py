@@ -463,9 +463,10 @@ def run_interleaved(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 out[name] = mem
                 continue
             timing = {**mem, **timing, "loadavg_1m": load + mem["loadavg_1m"]}
-        else:  # no memory figures: zeros keep the tables' columns
-            timing.update({k: 0.0 for k in ("peak_rss_mib", "rss_growth_mib", "peak_growth_mib", "rss_built_mib",
-                                            "setup_s", "start_s")}, peak_rss_per_rank_mib=[], breakdown=None)
+        else:  # no memory figures: NaN keeps the tables' columns (and their ratios) without a number
+            nan = float("nan")
+            timing.update({k: nan for k in ("peak_rss_mib", "rss_growth_mib", "peak_growth_mib", "rss_built_mib",
+                                             "setup_s", "start_s")}, peak_rss_per_rank_mib=[], breakdown=None)
         out[name] = timing
     return out
 
