@@ -89,13 +89,15 @@ def held(engine) -> dict[str, int]:
     return out
 
 
-def _swapped(engine) -> tuple[int, int]:
+def _swapped(engine) -> tuple[int, int] | None:
     """Bytes the engine's swap stores read and wrote so far (``TensorFileStore`` counters)."""
     if engine is None:
         return 0, 0
     rt = engine.plugin_state("zero")
     stores = [s for s in (getattr(rt.swapper, "store", None), getattr(rt.stage3, "store", None)) if s is not None]
-    return (sum(getattr(s, "bytes_read", 0) for s in stores), sum(getattr(s, "bytes_written", 0) for s in stores))
+    if not all(hasattr(s, "bytes_read") for s in stores):
+        return None  # a store without counters (an older microspeed): /proc/self/io says it (no kernel AIO there)
+    return (sum(s.bytes_read for s in stores), sum(s.bytes_written for s in stores))
 
 
 def _phase(name: str, fn, engine, log: list) -> object:
@@ -119,7 +121,8 @@ def _phase(name: str, fn, engine, log: list) -> object:
     if eng is not None:
         row["held"] = held(eng)
         swap1 = _swapped(eng)
-        row["read"], row["written"] = swap1[0] - swap0[0], swap1[1] - swap0[1]
+        if swap0 is not None and swap1 is not None:
+            row["read"], row["written"] = swap1[0] - swap0[0], swap1[1] - swap0[1]
     log.append(row)
     return result
 
