@@ -28,6 +28,7 @@ import functools
 import itertools
 import os
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -115,22 +116,29 @@ def _file_backed(shard: torch.Tensor, folder: str, p: Any) -> torch.Tensor:
     operating system keeps its pages on the NVMe (or any) disk, not in this process's memory.
 
     The values are written with ``write()``, then the file is mapped untouched: a page enters the process's
-    resident set only when read (a mapping filled through its pages would hold the whole model resident)."""
+    resident set only when read (a mapping filled through its pages would hold the whole model resident). The
+    file goes with the tensor: a parameter dropped while partitioned (a head replaced by a tied weight) leaves
+    none behind."""
     os.makedirs(folder, exist_ok=True)
     _remove_file(p)
     path = os.path.join(folder, f"param{os.getpid()}_{next(_FILE_COUNTER)}.bin")
     with open(path, "wb") as fh:
         fh.write(memoryview(shard.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     out = torch.from_file(path, shared=True, size=shard.numel(), dtype=shard.dtype)
+    weakref.finalize(out, _unlink, path)
     p._zero_init_file = path
     return out
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def _remove_file(p: Any) -> None:
     path = p.__dict__.pop("_zero_init_file", None)
     if path is not None:
-        with contextlib.suppress(OSError):
-            os.remove(path)
+        _unlink(path)
 
 
 def materialize(params: Iterable[torch.nn.Parameter], group: Any = None) -> None:

@@ -166,3 +166,25 @@ def test_fp16_overflow_skips_the_step_as_in_memory(tmp_path):
     moves = [b / a for a, b in zip(scales[1:], scales[2:], strict=False) if a != b]
     assert 0.5 in moves and 2.0 in moves, scales  # steps vetoed by an overflow, and windows applied
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(120)
+def test_init_nvme_leaves_no_file_of_a_replaced_parameter(tmp_path):
+    """A tied GPT built under zero.Init(remote_device="nvme") replaces its head's own weight by the embedding's:
+    the replaced parameter's file goes with it, and the engine's adoption removes the others."""
+    import gc
+    import os
+
+    microspeed.init_distributed()
+    cfg = _config(str(tmp_path / "swap"))
+    with microspeed.zero.Init(remote_device="nvme", config_dict_or_path=cfg):
+        model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=2, d_model=16, tie_weights=True))
+    gc.collect()
+
+    def files() -> list[str]:
+        return [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "swap") if "zero_init" in d for f in fs]
+
+    assert len(files()) == len(list(model.parameters()))  # one per partitioned parameter, the head's own gone
+    engine = microspeed.initialize(model=model, config=cfg)[0]
+    assert files() == []
+    engine.plugin_state("zero").swapper.close()
