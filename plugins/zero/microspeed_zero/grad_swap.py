@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from microspeed.plugin_api import has_inf_or_nan
+from microspeed_zero.aio import aligned_empty
 from microspeed_zero.nvme import Prefetcher, SwapHandle
 
 BUFFERS = 4
@@ -87,7 +88,7 @@ class GradientSwapper:
         self.norms: dict[int, tuple[list[torch.Tensor], list[Any] | None]] = {}
         self.finite: dict[int, bool] = {}
         widest = max((sg.numel for sg in swapper.subgroups), default=0)
-        self._slots = [[torch.empty(widest, dtype=dtype)] for _ in swapper._slots]
+        self._slots = [[aligned_empty(widest, dtype)] for _ in swapper._slots]  # page-aligned: direct reads
         self._fp32 = torch.empty(widest if dtype != torch.float32 else 0, dtype=torch.float32)
         self._subgroups = swapper.subgroups
         self._prefetchers: dict[tuple[int, ...], Prefetcher] = {}
