@@ -36,12 +36,9 @@ from microspeed_zero.nvme import Prefetcher, SwapHandle
 BUFFERS = 4
 """Segment-sized buffers: two reductions in flight (each with its read-back), one being added to, one writing."""
 
-
-def _norm(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s L2 norm as a 1-element fp32 tensor, as the kernel's norm computes it on fp32 gradients."""
-    if t.dtype == torch.float32:
-        return torch._foreach_norm([t], 2.0)[0].reshape(1)
-    return torch.linalg.vector_norm(t, dtype=torch.float32).reshape(1)
+NORM_CHUNK = 1 << 20
+"""Elements of a 16-bit slice converted to fp32 at a time for its norm (``linalg.vector_norm(dtype=fp32)`` would
+convert the whole slice at once: twice the largest layer's gradient in memory for a moment)."""
 
 
 class GradientSwapper:
@@ -90,6 +87,8 @@ class GradientSwapper:
         widest = max((sg.numel for sg in swapper.subgroups), default=0)
         self._slots = [[aligned_empty(widest, dtype)] for _ in swapper._slots]  # page-aligned: direct reads
         self._fp32 = torch.empty(widest if dtype != torch.float32 else 0, dtype=torch.float32)
+        self._norm_fp32 = torch.empty(min(self._largest, NORM_CHUNK) if dtype != torch.float32 else 0,
+                                      dtype=torch.float32)
         self._subgroups = swapper.subgroups
         self._prefetchers: dict[tuple[int, ...], Prefetcher] = {}
 
@@ -171,12 +170,22 @@ class GradientSwapper:
             acc[start:end].zero_()
         tensors, rules = self.norm_inputs(index, acc)
         kept = [(t, r) for t, r in zip(tensors, rules or [None] * len(tensors), strict=True) if t.numel()]
-        self.norms[index] = ([_norm(t) for t, _ in kept], None if rules is None else [r for _, r in kept])
+        self.norms[index] = ([self._norm(t) for t, _ in kept], None if rules is None else [r for _, r in kept])
         if self.check_finite:
             self.finite[index] = not has_inf_or_nan([acc])
         self._writes.append((b, [self.store.write_async(key, acc[start:end], offset=off)
                                  for key, start, end, off in self.layout[index]]))
         self.written.add(index)
+
+    def _norm(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s L2 norm as a 1-element fp32 tensor, as the kernel's norm computes it on fp32 gradients (a 16-bit
+        slice: chunk by chunk through a small fp32 buffer, the chunks' norms combined)."""
+        if t.dtype == torch.float32:
+            return torch._foreach_norm([t], 2.0)[0].reshape(1)
+        step, scratch = self._norm_fp32.numel(), self._norm_fp32
+        parts = [torch._foreach_norm([scratch[:min(step, t.numel() - a)].copy_(t[a:a + step])], 2.0)[0]
+                 for a in range(0, t.numel(), step)]
+        return torch.stack(parts).double().square().sum().sqrt().float().reshape(1)
 
     def read_segment(self, index: int) -> torch.Tensor:
         """A fresh copy of segment ``index``'s accumulated slice (zeros where nothing is stored)."""
@@ -234,13 +243,15 @@ class GradientSwapper:
 
     def resident_bytes(self) -> int:
         """Bytes of the buffers now: segment buffers allocated so far, step slots and the fp32 sub-group."""
-        tensors = [*(b for b in self._buffers if b is not None), *(t for slot in self._slots for t in slot), self._fp32]
+        tensors = [*(b for b in self._buffers if b is not None), *(t for slot in self._slots for t in slot), self._fp32,
+                   self._norm_fp32]
         return sum(t.untyped_storage().nbytes() for t in tensors)
 
     def budget_bytes(self) -> int:
         """What :meth:`resident_bytes` may reach: every segment buffer as large as the largest segment's slice, the
         step's slots and fp32 sub-group — fixed by the largest segment and sub-group, not by the model."""
-        fixed = sum(t.untyped_storage().nbytes() for t in [*(t for slot in self._slots for t in slot), self._fp32])
+        fixed = sum(t.untyped_storage().nbytes() for t in [*(t for slot in self._slots for t in slot), self._fp32,
+                                                             self._norm_fp32])
         return fixed + len(self._buffers) * self._largest * self.dtype.itemsize
 
     def bytes_on_disk(self) -> int:
@@ -255,4 +266,4 @@ class GradientSwapper:
                 h._join()
         self._prefetchers.clear()
         self._buffers, self._free, self._slots = [], [], []
-        self._fp32 = torch.empty(0)
+        self._fp32 = self._norm_fp32 = torch.empty(0)
