@@ -33,7 +33,7 @@ What is measured, and how:
   FSDP2 falls back to the foreach kernel if the fused one refuses DTensors. ``gradient_clipping``
   ``--clip`` (1.0) for every engine.
 * **Fresh processes per engine**: each engine runs in its own 2-rank process group
-  (:func:`microspeed.testing.run_distributed`: spawned processes, ``OMP_NUM_THREADS=1``,
+  (:func:`microspeed.testing.run_distributed`: fresh processes, ``OMP_NUM_THREADS=1``,
   ``torch.set_num_threads(1)``), so its memory figures are its own. The framework is imported, and the
   first torch optimizer built (it imports ``torch._dynamo``), before the model is built.
 * **Time**: ``--warmup`` untimed steps, then ``--steps`` timed ones. Each step starts after a
