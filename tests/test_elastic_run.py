@@ -302,8 +302,10 @@ def test_the_launcher_can_host_the_rendezvous():
 
     from torch.distributed import TCPStore
 
-    assert multinode.launcher_address("127.0.0.1") == "127.0.0.1"
-    assert multinode.launcher_address("not a host name") is None
+    from microspeed.netaddr import source_address
+
+    assert source_address("127.0.0.1") == "127.0.0.1"
+    assert source_address("not a host name") is None
     port = free_port()
     store = multinode.host_rendezvous("127.0.0.1", port)
     client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))

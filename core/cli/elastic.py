@@ -216,9 +216,6 @@ def rendezvous_local_addr(endpoint: str) -> str | None:
     host = host.strip("[]")
     if not host or not port_text.isdigit() or _is_loopback(host) or not _is_loopback(socket.getfqdn()):
         return None
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(port_text)))
-            return probe.getsockname()[0]
-    except OSError:
-        return None
+    from microspeed.netaddr import source_address
+
+    return source_address(host, int(port_text))

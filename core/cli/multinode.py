@@ -33,10 +33,11 @@ still running after :data:`STOP_GRACE_S` (an agent that joined late would wait i
 ended).
 
 An elastic ssh launch without ``--master_addr`` hosts the c10d rendezvous store in the launcher itself (a
-``TCPStore`` at the launcher's address that reaches node 0, :func:`launcher_address`, port ``--master_port``), so
-no training node is special: any of them may be lost and come back. The launcher's machine must then stay up
-for the whole job (as with ssh, it holds every node's session). With ``--master_addr`` the rendezvous is there
-and the node at that address hosts it (its loss ends the job, as with torchrun's c10d backend).
+``TCPStore`` at the launcher's address that reaches node 0, :func:`microspeed.netaddr.source_address`, port
+``--master_port``), so no training node is special: any of them may be lost and come back. The launcher's
+machine must then stay up for the whole job (as with ssh, it holds every node's session). With
+``--master_addr`` the rendezvous is there and the node at that address hosts it (its loss ends the job, as
+with torchrun's c10d backend).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from microspeed.cli.hostfile import HostfileError, read_hostfile, select_resources
+from microspeed.netaddr import source_address
 
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "GLOO_", "MICROSPEED_")
 """Variables of the launcher's environment sent to every node: DeepSpeed's (NCCL, PYTHON*, MLFLOW, MV2, UCX) and
@@ -294,18 +295,6 @@ def first_address(host: str, ssh_args: Sequence[str] = (), port: int | None = No
         raise LaunchError(f"cannot find {host}'s address with `hostname -I` over ssh: give --master_addr (an "
                           f"address of the first host that every host can reach)")
     return words[0]
-
-
-def launcher_address(peer: str) -> str | None:
-    """This machine's address on the route to ``peer`` (a UDP socket's source address once connected to it:
-    nothing is sent), or ``None`` when there is no route or ``peer`` does not resolve."""
-    try:
-        family = socket.AF_INET6 if ":" in peer else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((peer, 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return None
 
 
 def host_rendezvous(addr: str, port: int) -> object:
@@ -621,7 +610,7 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
     if elastic is not None:  # one c10d rendezvous; no node ranks
         node.nnodes, node.rendezvous, node.rdzv_id, node.max_restarts = elastic.nnodes, "c10d", job, \
             elastic.max_restarts
-        here = launcher_address(master) if launcher == "ssh" and not opts.master_addr and master else None
+        here = source_address(master) if launcher == "ssh" and not opts.master_addr and master else None
         if here:  # the launcher hosts it: no node is special
             node.master_addr = here
             result["rendezvous"] = (here, opts.master_port)

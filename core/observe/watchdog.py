@@ -784,21 +784,14 @@ _PEER_ADDR = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")  # gloo's "Connection close
 
 
 def route_address() -> str | None:
-    """This rank's address on the route to the job's store (``MASTER_ADDR``): the source address of a UDP socket
-    connected to it (nothing is sent); in a multi-machine job, the address its peers' errors name. ``None`` when
-    ``MASTER_ADDR`` is unset or unroutable."""
-    import socket
+    """This rank's address on the route to the job's store (``MASTER_ADDR``; see
+    :func:`microspeed.netaddr.source_address`): in a multi-machine job, the address its peers' errors name. ``None``
+    when ``MASTER_ADDR`` is unset or unroutable."""
+    from microspeed.netaddr import source_address
 
     host = os.environ.get("MASTER_ADDR")
-    if not host:
-        return None
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, int(os.environ.get("MASTER_PORT") or 9)))
-            return probe.getsockname()[0]
-    except (OSError, ValueError):
-        return None
+    port = os.environ.get("MASTER_PORT") or "9"
+    return source_address(host, int(port)) if host and port.isdigit() else None
 
 
 def _exit_process(report: str) -> None:
