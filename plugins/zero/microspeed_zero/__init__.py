@@ -2,7 +2,8 @@
 
 ``import microspeed.zero`` (or ``deepspeed.zero`` under ``import microspeed as deepspeed``)
 resolves to this package: :class:`Init`, :func:`GatheredParameters`, the ``safe_get_full_*``
-functions, :func:`estimate_memory`, DeepSpeed's stage-3 helpers :func:`register_external_parameter`,
+functions, :func:`estimate_memory`, :func:`predict_peak_rss` / :func:`predict_for_config` (a rank's peak RSS,
+:mod:`microspeed_zero.peak_rss`), DeepSpeed's stage-3 helpers :func:`register_external_parameter`,
 :func:`unregister_external_parameter`, the z3 leaf-module functions (``set_z3_leaf_modules`` & co.)
 and :class:`ZeroParamStatus`. The plugin itself is :class:`microspeed_zero.plugin.ZeroPlugin`,
 registered through the ``microspeed.plugins`` entry point ``zero``.
@@ -24,6 +25,7 @@ from microspeed_zero.leaf import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
+from microspeed_zero.peak_rss import RssPrediction, predict_for_config, predict_peak_rss
 
 __version__ = "0.1.0"
 
@@ -31,10 +33,13 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "MemoryEstimate",
+    "RssPrediction",
     "ZeroParamStatus",
     "estimate_memory",
     "get_z3_leaf_modules",
     "memory_breakdown",
+    "predict_for_config",
+    "predict_peak_rss",
     "register_external_parameter",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",

@@ -139,6 +139,10 @@ def zero_section() -> Section:
                                             "offload sections"),
         "stage3_gather_fp16_weights_on_model_save": Field((bool, type(None)), None, "deprecated (DeepSpeed): same "
                                                           "as stage3_gather_16bit_weights_on_model_save"),
+        "host_memory_budget": Field((int, float, str, type(None)), None, "microspeed: bytes (or \"8GiB\", "
+                                    "\"500MB\") this rank's process may hold at its peak; initialize() refuses a "
+                                    "config whose predicted peak RSS exceeds it, each step warns if the measured "
+                                    "peak (VmHWM) does; none: no check"),
         "leaf_module": Section({
             "classes": Field((list,), [], "class names (or qualified names) of leaf modules"),
             "names": Field((list,), [], "module names (as in named_modules) to make leaves"),
@@ -192,6 +196,7 @@ class ZeroConfig:
     leaf_suffixes: tuple[str, ...] = ()
     notices: tuple[str, ...] = ()
     aio: AioConfig = AioConfig()
+    host_memory_budget: int | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> ZeroConfig:
@@ -236,7 +241,17 @@ class ZeroConfig:
         if op["device"] == "nvme" and oo["device"] == "none":
             raise ConfigError("zero_optimization.offload_param.device='nvme' needs offload_optimizer.device "
                               "'cpu' or 'nvme' as well (as DeepSpeed): the step runs where the state is.")
+        budget = z.get("host_memory_budget")
+        if budget is not None:
+            from microspeed_zero.peak_rss import parse_bytes
+
+            try:
+                budget = parse_bytes(budget)
+            except ValueError as exc:
+                raise ConfigError(f"{exc} (e.g. \"host_memory_budget\": \"8GiB\"; remove the key for no check)") \
+                    from None
         return cls(
+            host_memory_budget=budget,
             stage=stage, contiguous_gradients=z["contiguous_gradients"], overlap_comm=z["overlap_comm"],
             reduce_scatter=z["reduce_scatter"], reduce_bucket_size=int(z["reduce_bucket_size"]),
             allgather_bucket_size=int(z["allgather_bucket_size"]), sub_group_size=int(z["sub_group_size"]),

@@ -2,7 +2,10 @@
 
 :func:`estimate_memory` answers "how much memory does each rank need for the model states of a
 Ψ-parameter model trained with ZeRO stage S on N ranks?", split by where the bytes live (the
-accelerator, CPU memory, NVMe). :func:`main` is the ``microspeed estimate-memory`` command.
+accelerator, CPU memory, NVMe). :func:`main` is the ``microspeed estimate-memory`` command; it also prints each
+row's predicted peak RSS per rank (:func:`microspeed_zero.peak_rss.predict_peak_rss`: baseline, runtime, the
+states held in memory, buffers, gathered parameters, activations, the step's temporaries) and, with ``--budget``,
+whether it fits ``zero_optimization.host_memory_budget``.
 
 Model (Ψ trainable parameters, N ranks, p = bytes of a model parameter and of its gradient — 2 for
 fp16/bf16, 4 for fp32 —, m = bytes of the fp32 master copy — 4 in mixed precision, 0 in fp32,
@@ -501,8 +504,9 @@ def _build_model(spec: str, model_args: Sequence[str]) -> Any:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="microspeed estimate-memory",
-        description="Per-rank memory of parameters, gradients and optimizer states under ZeRO stages 0-3 "
-                    "(model states only: activations and communication buffers come on top).",
+        description="Per-rank memory of parameters, gradients and optimizer states under ZeRO stages 0-3, and "
+                    "each rank's predicted peak RSS (model states in memory, buffers, gathered parameters, "
+                    "activations, the step's temporaries, torch's baseline); --budget checks it.",
     )
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--params", metavar="N", help="trainable parameter count, e.g. 45e6, 350M, 1.3B")
@@ -540,6 +544,25 @@ def _parser() -> argparse.ArgumentParser:
     probe.add_argument("--max-in-cpu", default="1e9", metavar="N",
                        help="zero_optimization.offload_param.max_in_cpu: parameter elements per rank kept in "
                             "memory (default 1e9, DeepSpeed's)")
+    rss = parser.add_argument_group(
+        "peak RSS", "the predicted peak resident memory of each rank's process (microspeed_zero.peak_rss: baseline, "
+        "runtime, model states in memory, buffers, gathered parameters, activations, step temporaries); "
+        "--grad-accum and --max-in-cpu count here too")
+    rss.add_argument("--micro-batch", default="1", metavar="N", help="train_micro_batch_size_per_gpu (default 1)")
+    rss.add_argument("--seq-len", default=None, metavar="N",
+                     help="tokens per sequence, for the activations (default: the model's config.seq_len)")
+    rss.add_argument("--sub-group-size", default="1e9", metavar="N", help="zero_optimization.sub_group_size")
+    rss.add_argument("--buffer-count", default="4", metavar="N", help="offload_optimizer.buffer_count (default 4)")
+    rss.add_argument("--reduce-bucket", default="5e8", metavar="N", help="zero_optimization.reduce_bucket_size")
+    rss.add_argument("--max-live", default="1e9", metavar="N", help="stage3_max_live_parameters")
+    rss.add_argument("--prefetch-bucket", default="5e7", metavar="N", help="stage3_prefetch_bucket_size")
+    rss.add_argument("--activations", default=None, metavar="SIZE",
+                     help="bytes of activations at the peak, e.g. 2G (default: estimated for a GPT-like --model)")
+    rss.add_argument("--baseline", default=None, metavar="SIZE",
+                     help="the process's RSS before building (default: 322M, torch + microspeed imported here)")
+    rss.add_argument("--budget", default=None, metavar="SIZE",
+                     help="zero_optimization.host_memory_budget to check, e.g. 8GiB or 500MB: each row's verdict; "
+                          "exit code 1 when a row exceeds it")
     return parser
 
 
@@ -631,8 +654,7 @@ def _step_times(opts: argparse.Namespace, disk: Any, rows: list[MemoryEstimate])
 def _run(opts: argparse.Namespace) -> int:
     if opts.probe_disk is None:
         for flag, value, default in (("--probe-size", opts.probe_size, "1G"),
-                                     ("--tokens-per-step", opts.tokens_per_step, "2048"),
-                                     ("--grad-accum", opts.grad_accum, "1"), ("--max-in-cpu", opts.max_in_cpu, "1e9")):
+                                     ("--tokens-per-step", opts.tokens_per_step, "2048")):
             if value != default:
                 raise _UsageError(f"{flag} goes with --probe-disk PATH (the step time needs the disk's bandwidth)")
         if not opts.params and not opts.model:
@@ -703,9 +725,76 @@ def _run(opts: argparse.Namespace) -> int:
     print(_render(table))
     for note in dict.fromkeys(skipped):
         print(f"skipped {note}")
+    over = _peak_rss(opts, subject, largest, rows)
     if disk is not None:
         _step_times(opts, disk, rows)
-    return 0
+    return 1 if over else 0
+
+
+def _peak_rss(opts: argparse.Namespace, subject: Any, largest: int | None, rows: list[MemoryEstimate]) -> bool:
+    """Print each row's predicted peak RSS per rank, term by term, and the budget's verdict; whether one is over."""
+    from microspeed_zero.peak_rss import check_budget, parse_bytes, predict_peak_rss
+
+    def count(flag: str, value: str | None) -> int | None:
+        if value is None:
+            return None
+        try:
+            return parse_count(value)
+        except ValueError as exc:
+            raise _UsageError(f"{flag}: {exc}") from None
+
+    def size(flag: str, value: str | None) -> int | None:
+        if value is None:
+            return None
+        try:
+            return parse_bytes(value, flag)
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
+
+    knobs = dict(micro_batch=count("--micro-batch", opts.micro_batch), seq_len=count("--seq-len", opts.seq_len),
+                 grad_accum=count("--grad-accum", opts.grad_accum), sub_group_size=count("--sub-group-size",
+                                                                                     opts.sub_group_size),
+                 buffer_count=count("--buffer-count", opts.buffer_count),
+                 reduce_bucket_size=count("--reduce-bucket", opts.reduce_bucket),
+                 max_live_parameters=count("--max-live", opts.max_live),
+                 prefetch_bucket_size=count("--prefetch-bucket", opts.prefetch_bucket),
+                 max_in_cpu=count("--max-in-cpu", opts.max_in_cpu),
+                 activation_bytes_given=size("--activations", opts.activations),
+                 baseline=size("--baseline", opts.baseline))
+    for name in ("micro_batch", "grad_accum", "sub_group_size", "buffer_count", "reduce_bucket_size",
+                 "max_live_parameters", "prefetch_bucket_size"):
+        if knobs[name] is not None and knobs[name] < 1:
+            raise _UsageError(f"{name.replace('_', '-')} must be >= 1")
+    budget = size("--budget", opts.budget)
+    print(f"predicted peak RSS per rank (micro-batch {knobs['micro_batch']}, sequence "
+          f"{knobs['seq_len'] or 'from the model'}, grad-accum {knobs['grad_accum']}, sub_group_size "
+          f"{_count(knobs['sub_group_size'])}, buffer_count {knobs['buffer_count']}); peak = baseline + runtime + "
+          f"states + buffers + max(gathered + activations, unstaged, step)")
+    table = [["stage", "ranks", "offload opt/param", "baseline", "runtime", "states", "buffers", "gathered",
+              "activations", "unstaged", "step", "peak RSS"] + (["budget"] if budget else [])]
+    over = False
+    notes: list[str] = []
+    for r in rows:
+        pred = predict_peak_rss(subject, r.world_size, r.stage, r.offload_optimizer, r.offload_param, r.precision,
+                                r.optimizer, largest_layer_params=largest if isinstance(subject, int) else None,
+                                **knobs)
+        notes += pred.notes
+        verdict = []
+        if budget:
+            fits = check_budget(pred, budget) is None
+            over = over or not fits
+            verdict = ["fits" if fits else "OVER"]
+        table.append([str(r.stage), str(r.world_size), f"{r.offload_optimizer}/{r.offload_param}"]
+                     + [format_bytes(v) for v in (pred.baseline, pred.runtime, pred.model_states, pred.buffers,
+                                                   pred.gathered, pred.activations, pred.unstaged, pred.step,
+                                                   pred.total)] + verdict)
+    print(_render(table))
+    for note in dict.fromkeys(notes):
+        print(f"note: {note}")
+    if budget:
+        print(f"budget {format_bytes(budget)} (zero_optimization.host_memory_budget): "
+              + ("some rows are OVER: initialize() refuses those configs" if over else "every row fits"))
+    return over
 
 
 if __name__ == "__main__":

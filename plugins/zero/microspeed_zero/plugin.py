@@ -45,6 +45,8 @@ class ZeroPlugin:
         self.rt: ZeroRuntime | None = None
         self.config: Any = None
         self.gather_asked = False  # engine._zero3_consolidated_16bit_state_dict(): gather whatever the config says
+        self.prediction: Any = None  # the peak RSS predicted at initialize() (host_memory_budget set)
+        self.over_budget_warned = False
 
     @hookimpl
     def microspeed_config_sections(self) -> dict:
@@ -64,6 +66,10 @@ class ZeroPlugin:
         self.config = config
         self.cfg = ZeroConfig.from_config(config)
         _show_notices(self.cfg.notices)
+        if self.cfg.host_memory_budget is not None and self.cfg.stage >= 1:
+            from microspeed_zero.host_memory import return_freed_memory
+
+            return_freed_memory()  # what the prediction assumes: freed blocks leave the process
 
     @hookimpl
     def microspeed_capabilities(self) -> list[GradientPartitioning] | None:
@@ -110,6 +116,8 @@ class ZeroPlugin:
                 and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):  # NVMe: the swapper refuses
             raise ConfigError(f"zero_optimization.offload_optimizer with the optimizer {type(optimizer).__name__}: "
                               f"{CPU_STEP_IS_ADAM[0].message()} (or use Adam/AdamW).")
+        if self.cfg.host_memory_budget is not None:
+            self.prediction = _check_host_memory(engine, self.rt, optimizer, self.cfg.host_memory_budget)
         wrapped = self.rt.wrap(optimizer)
         self.rt.tag_parameters()
         if self.cfg.offload_optimizer == "nvme":
@@ -129,6 +137,18 @@ class ZeroPlugin:
         """A schedule's next compute pass: stage 3 prefetches and keeps across it; stages 2, 3 reduce one chunk."""
         if self._active():
             self.rt.next_pass(current, upcoming)
+
+    @hookimpl
+    def microspeed_after_step(self) -> None:
+        """``host_memory_budget``: warn (once) when this process's measured peak RSS has passed the budget."""
+        if self._active() and self.cfg.host_memory_budget is not None and not self.over_budget_warned:
+            from microspeed_zero.peak_rss import measured_peak
+
+            peak = measured_peak()
+            if peak is not None and peak > self.cfg.host_memory_budget:
+                self.over_budget_warned = True
+                logging.getLogger("microspeed.zero").warning(_over_budget(peak, self.cfg.host_memory_budget,
+                                                                          self.prediction))
 
     @hookimpl
     def microspeed_no_sync(self) -> None:
@@ -254,6 +274,42 @@ def _show_notices(lines: tuple[str, ...]) -> None:
         log = logging.getLogger("microspeed.zero")
         for line in lines:
             log.warning(line)
+
+
+def _check_host_memory(engine: Any, rt: ZeroRuntime, optimizer: Any, budget: int) -> Any:
+    """``zero_optimization.host_memory_budget`` at ``initialize()``: predict this rank's peak RSS from the model, the
+    config and the optimizer; :class:`ConfigError` with the breakdown when it exceeds ``budget``; the prediction."""
+    from microspeed_zero.peak_rss import check_budget, predict_peak_rss
+
+    model = engine.module
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtypes.pop(), "fp32") if len(dtypes) == 1 \
+        else "fp32"
+    momentum = any(g.get("momentum", 0) for g in getattr(optimizer, "param_groups", []))
+    kind = {"Adam": "adam", "AdamW": "adamw", "Adagrad": "adagrad",
+            "SGD": "sgd_momentum" if momentum else "sgd"}.get(type(optimizer).__name__, "adam")
+    cfg = rt.cfg
+    pred = predict_peak_rss(
+        model, rt.world, cfg.stage, cfg.offload_optimizer, cfg.offload_param, precision, kind,
+        micro_batch=engine.train_micro_batch_size_per_gpu(), grad_accum=engine.gradient_accumulation_steps(),
+        sub_group_size=cfg.sub_group_size, buffer_count=cfg.buffer_count, reduce_bucket_size=cfg.reduce_bucket_size,
+        max_live_parameters=cfg.max_live_parameters, prefetch_bucket_size=cfg.prefetch_bucket_size,
+        max_in_cpu=cfg.max_in_cpu, grad_accum_fp32=rt.accumulate_fp32)
+    refusal = check_budget(pred, budget)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return pred
+
+
+def _over_budget(peak: int, budget: int, pred: Any) -> str:
+    """The warning when the measured peak RSS passed ``host_memory_budget``."""
+    from microspeed_zero.estimator import format_bytes
+
+    told = f"; predicted at initialize() {format_bytes(pred.total)}:\n{pred.table()}" if pred is not None else ""
+    return (f"zero_optimization.host_memory_budget = {format_bytes(budget)} exceeded: this process's peak RSS "
+            f"(VmHWM) is {format_bytes(peak)}{told}\nWhat the prediction leaves out (the model as built before "
+            f"initialize(), data held by the script) counts too; lower the settings the breakdown names or raise "
+            f"the budget.")
 
 
 def _apply_leaf_config(cfg: ZeroConfig, model: torch.nn.Module) -> None:

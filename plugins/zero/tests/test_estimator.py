@@ -178,9 +178,10 @@ def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
 
 def test_cli_params(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--params", "1.3B", "--world-size", "1", "--world-size", "2,4"]) == 0
-    out = capsys.readouterr().out
+    out, rss = capsys.readouterr().out.split("predicted peak RSS per rank")
     lines = [ln for ln in out.splitlines() if ln[:1].isdigit()]
     assert len(lines) == 4 * 3  # every stage x every world size
+    assert len([ln for ln in rss.splitlines() if ln[:1].isdigit()]) == 4 * 3  # and each one's peak RSS
     assert "total device" in out and "total cpu" in out and "GiB" in out
     # stage 3 on 4 ranks: 16 * 1.3e9 / 4 bytes
     assert any(ln.split()[:2] == ["3", "4"] and format_bytes(16 * 1_300_000_000 // 4) in ln for ln in lines)
@@ -190,7 +191,7 @@ def test_cli_offload_rows_and_skips(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--params", "45e6", "--world-size", "8", "--offload-optimizer", "none,cpu",
                  "--offload-param", "none,nvme", "--precision", "fp16", "--optimizer", "adamw",
                  "--largest-layer", "1M"]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().out.split("predicted peak RSS per rank")[0]
     rows = [ln.split() for ln in out.splitlines() if ln[:1].isdigit()]
     # stage 0: none/none; stages 1, 2: none/none, cpu/none; stage 3: those plus cpu/nvme
     assert [(r[0], r[2]) for r in rows] == [("0", "none/none"), ("1", "none/none"), ("1", "cpu/none"),
