@@ -33,7 +33,11 @@ and dropped after it; the optimizer's step writes its new values into the file p
 
 Releasing shrinks the flat buffer's storage to zero bytes (as FSDP does) and points the
 parameters at the placeholder: tensors autograd saved from the forward keep referring to the
-same storage, which the backward gather fills again, so any module works unchanged.
+same storage, which the backward gather fills again, so any module works unchanged. On CPU without
+offload a segment of 1 MiB or more instead keeps a buffer of its own
+(:class:`~microspeed_zero.host_memory.ReleasablePages`) whose pages a release marks free for the
+kernel to take back when it needs memory: refilling a storage grown again faults once per 4 KiB
+page, which cost more CPU than the gather itself.
 
 * **Parameters used outside their module** (``nn.MultiheadAttention`` reads ``out_proj.weight``
   without calling ``out_proj``; a tied embedding used through ``F.linear``): leaf modules
@@ -69,6 +73,7 @@ from microspeed.plugin_api import comm, replica_group
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.aio import aligned_empty
 from microspeed_zero.collectives import gather_slices
+from microspeed_zero.host_memory import ReleasablePages
 from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf
 from microspeed_zero.partition import Segment
 
@@ -86,6 +91,10 @@ _NO_GATHER = frozenset({
     "_post_accumulate_grad_hooks", "__dict__",
 })
 """Uses of a released parameter that read only what its placeholder also answers: no gather."""
+
+PAGED_MIN_BYTES = 1 << 20
+"""Segments of at least this many bytes get a :class:`~microspeed_zero.host_memory.ReleasablePages` buffer (CPU, no
+offload); smaller ones, which glibc serves from its heap, resize their storage."""
 
 
 class _Frame:
@@ -146,6 +155,9 @@ class ParameterPartitioner:
         self.in_files: set[int] = set()
         self.loaded: dict[int, torch.Tensor] = {}  # file-resident shards read in whole (user reads, checkpoints)
         self.kept = 0  # elements of non-persistent shards kept in memory (at most offload_param.max_in_cpu)
+        # CPU without offload: large segments' flat buffers on pages of their own, released without resizing
+        self.pages: dict[int, ReleasablePages] = {}
+        self.paged = self.device.type == "cpu" and not self.offload
         self._piece_writes: deque[tuple[Any, int]] = deque()  # the step's writes into shard files, with bytes
         self._piece_bytes = 0
         if self.cfg.offload_param == "nvme":
@@ -204,7 +216,11 @@ class ParameterPartitioner:
                           [None] * len(params), world, rank, group=group)
             seg.persistent = persistent
             self.segments.append(seg)
-            flat = torch.zeros(seg.padded, dtype=seg.dtype, device=self.device)
+            if self.paged and not persistent and seg.padded * seg.dtype.itemsize >= PAGED_MIN_BYTES:
+                self.pages[seg.index] = ReleasablePages(seg.padded, seg.dtype)  # zero-filled
+                flat = self.pages[seg.index].tensor
+            else:
+                flat = torch.zeros(seg.padded, dtype=seg.dtype, device=self.device)
             with torch.no_grad():
                 for p, view in zip(params, seg.views(flat), strict=True):
                     view.copy_(p.detach())
@@ -296,14 +312,19 @@ class ParameterPartitioner:
         for p in seg.params:
             p.data = self._placeholder(p)
             watch(p)  # last, for the same reason
-        self.flats[seg.index].untyped_storage().resize_(0)
+        pages = self.pages.get(seg.index)
+        if pages is not None:
+            pages.release()
+        else:
+            self.flats[seg.index].untyped_storage().resize_(0)
         self._set_status(seg, RELEASED)
 
     # -- gather / release ------------------------------------------------------------------------
 
     def _launch(self, seg: Segment, async_op: bool) -> None:
         flat = self.flats[seg.index]
-        flat.untyped_storage().resize_(seg.padded * flat.element_size())
+        if seg.index not in self.pages:
+            flat.untyped_storage().resize_(seg.padded * flat.element_size())
         shard = self.shards[seg.index]
         if seg.index in self.in_files:  # offload_param nvme: read for this gather only (unless held for a step)
             shard = self.loaded.get(seg.index)

@@ -40,3 +40,39 @@ def test_tensors_of_a_mebibyte_or_more_get_their_own_pages():
     assert _run("off", env) == ["None", "True"]  # the dynamic threshold: from the heap
     assert _run("on", env) == ["True", "False"]
     assert _run("on", {**env, "MALLOC_MMAP_THRESHOLD_": "4194304"}) == ["True", "True"]  # the user's setting holds
+
+
+
+def _lazy_free_kib(address: int) -> int:
+    """``LazyFree`` of the mapping holding ``address``: its pages marked free that the kernel has not taken yet."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "LazyFree:":
+                return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux")
+def test_releasable_pages_are_given_back_and_the_tensor_stays():
+    """A 16 MiB ReleasablePages buffer: released, its pages are the kernel's to take (LazyFree, or gone at once where
+    there is no MADV_FREE); the tensor and a view taken before stay usable, and values written after the release
+    are read back."""
+    import torch
+    from microspeed_zero.host_memory import ReleasablePages
+
+    pages = ReleasablePages(4 << 20, torch.float32)
+    t = pages.tensor
+    assert t.numel() == 4 << 20 and t.dtype == torch.float32 and t.data_ptr() % os.sysconf("SC_PAGE_SIZE") == 0
+    assert not t.any()  # starts zero-filled
+    view = t[1 << 20:2 << 20].view(1024, 1024)
+    t.fill_(1.5)
+    pages.release()
+    assert _lazy_free_kib(t.data_ptr()) >= 15 << 10 or not t.any()
+    t.zero_()
+    view.fill_(2.0)
+    assert float(t[1 << 20]) == 2.0 and float(t.sum()) == 2.0 * (1 << 20)
