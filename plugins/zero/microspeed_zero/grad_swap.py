@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from microspeed.plugin_api import has_inf_or_nan
-from microspeed_zero.aio import aligned_empty
+from microspeed_zero.aio import ALIGN, aligned_empty
 from microspeed_zero.nvme import Prefetcher, SwapHandle
 
 BUFFERS = 4
@@ -75,6 +75,12 @@ class GradientSwapper:
                 gaps.append((at, self.size[index]))
             self.gaps[index] = gaps
         self._largest = max(self.size.values(), default=0)
+        # Where a segment's slice starts in its buffer: placed so that its largest piece's elements sit at the same
+        # place within a page as their file offset, so its whole pages move with O_DIRECT (the store's rule); the
+        # buffers are page-aligned with one page to spare.
+        self._pad = ALIGN // dtype.itemsize
+        self._lead = {index: (max(pieces, key=lambda x: x[2] - x[1])[3] - max(pieces, key=lambda x: x[2] - x[1])[1])
+                      % self._pad for index, pieces in self.layout.items()}
         self._buffers: list[torch.Tensor | None] = [None] * max(3, int(buffers))  # allocated on demand
         self._free = list(range(len(self._buffers)))
         self._reads: dict[int, tuple[int, list[SwapHandle]]] = {}
@@ -119,7 +125,7 @@ class GradientSwapper:
                                    "more reductions are pending than the buffers allow")
             b = max(self._free, key=lambda i: -1 if bufs[i] is None else bufs[i].numel())
             bufs[b] = None  # freed before its successor is allocated
-            bufs[b] = torch.empty(numel, dtype=self.dtype)
+            bufs[b] = aligned_empty(numel, self.dtype)
             break
         self._free.remove(b)
         return b
@@ -132,13 +138,14 @@ class GradientSwapper:
         self._free.append(b)
 
     def _view(self, b: int, index: int) -> torch.Tensor:
-        return self._buffers[b][:self.size[index]]
+        lead = self._lead[index]
+        return self._buffers[b][lead:lead + self.size[index]]
 
     def prefetch(self, index: int) -> None:
         """The reduction of ``index`` starts: read back what this window accumulated so far (asynchronously)."""
         if index not in self.written or index in self._reads or index in self._held:
             return
-        b = self._take(self.size[index])
+        b = self._take(self.size[index] + self._pad)
         view = self._view(b, index)
         self._reads[index] = (b, [self.store.read_async(key, view[start:end], offset=off)
                                   for key, start, end, off in self.layout[index]])
@@ -152,7 +159,7 @@ class GradientSwapper:
             self.prefetch(index)
         read = self._reads.pop(index, None)
         if read is None:
-            b = self._take(self.size[index])
+            b = self._take(self.size[index] + self._pad)
             view = self._view(b, index).zero_()
         else:
             b, handles = read

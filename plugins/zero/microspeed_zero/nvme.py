@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno as errno_mod
+import mmap
 import os
 import re
 import threading
@@ -452,24 +453,32 @@ class TensorFileStore:
         path = entry.path
         size = len(view)
         address = tensor.data_ptr() if size else 0
-        aligned = self.direct and address % ALIGN == 0 and base % ALIGN == 0
-        body = size - size % ALIGN if aligned else 0  # whole pages: O_DIRECT; the rest buffered
+        # Direct I/O needs memory and file offset on a page: where the tensor's address and the file offset share
+        # their place within a page (always for page-aligned buffers at page-aligned offsets; see staging()), the
+        # bytes up to the first page boundary ("head") and after the last one go buffered, the pages between direct.
+        phased = self.direct and size > 0 and (address - base) % ALIGN == 0
+        head = min((-base) % ALIGN, size) if phased else size
+        body = head + (size - head) // ALIGN * ALIGN if phased else size  # [head, body): O_DIRECT
         step = self.block_size
-        requests = [(s, min(s + step, body)) for s in range(0, body, step)]
-        requests += [(s, min(s + step, size)) for s in range(body, size, step)] or ([] if size else [(0, 0)])
+        requests = [(s, min(s + step, body), True) for s in range(head, body, step)]
+        requests += [(s, min(s + step, head), False) for s in range(0, head, step)]
+        requests += [(s, min(s + step, size), False) for s in range(body, size, step)]
+        requests = requests or [(0, 0, False)]
         per = -(-len(requests) // self.threads)
         stripes = [requests[i:i + per] for i in range(0, len(requests), per)]
 
-        def job(stripe: list[tuple[int, int]]) -> None:
+        def job(stripe: list[tuple[int, int, bool]]) -> None:
             for dep in deps:
                 dep._join()
             stats = IoStats()
             stats.threads.add(threading.get_ident())
             try:
-                direct = [r for r in stripe if r[1] <= body and r[1] > r[0]]
+                direct = [(start, stop) for start, stop, d in stripe if d]
                 if direct:
                     self._direct(path, is_write, address, view, direct, base, stats)
-                for start, stop in stripe[len(direct):]:
+                for start, stop, d in stripe:
+                    if d:
+                        continue
                     stats.request(stop - start, False)
                     io(path, view[start:stop], base + start)
             finally:
@@ -531,6 +540,21 @@ class TensorFileStore:
         self._matching(key, out, "output tensor", offset)
         view = _byte_view(out, f"output tensor for swap key {key!r}")
         return self._submit("read", entry, out, view, after, int(offset or 0) * out.element_size())
+
+    def staging(self, numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        """An uninitialised flat CPU tensor of ``numel`` ``dtype`` elements to write at element ``offset`` of a key.
+
+        Its address sits at the same place within a page as the piece's file offset, so :meth:`write_async` moves
+        every whole page between them with ``O_DIRECT`` (only the partial pages at either end go buffered); a
+        buffer from ``torch.empty`` usually sits elsewhere, and its whole transfer then goes through the page
+        cache. Anonymous ``mmap`` memory of at most one page more than the tensor.
+        """
+        nbytes = int(numel) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(0, dtype=dtype)
+        lead = int(offset) * dtype.itemsize % ALIGN
+        raw = torch.frombuffer(mmap.mmap(-1, lead + nbytes), dtype=torch.uint8)
+        return raw[lead:].view(dtype)
 
     def write(self, key: str, tensor: torch.Tensor, offset: int | None = None) -> None:
         """Write ``tensor`` under ``key`` (at ``offset`` elements) and wait for it (see :meth:`write_async`)."""

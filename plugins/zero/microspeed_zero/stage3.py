@@ -270,7 +270,7 @@ class ParameterPartitioner:
         """Write ``values`` (converted to the parameters' dtype) into elements ``[start, start + numel)`` of the
         file-resident shard of segment ``index``, asynchronously: a later gather reads it after the write (the store
         keeps one key's order). At most two sub-groups' worth of writes are in flight."""
-        piece = values.to(self.segments[index].dtype, copy=True)
+        piece = self.store.staging(values.numel(), self.segments[index].dtype, start).copy_(values)  # O_DIRECT
         self._piece_writes.append((self.store.write_async(f"shard{index}", piece, offset=start), piece.nbytes))
         self._piece_bytes += piece.nbytes
         limit = 2 * min(self.cfg.sub_group_size, max(s.shard_size for s in self.segments)) * piece.element_size()

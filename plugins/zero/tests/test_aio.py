@@ -121,6 +121,31 @@ def test_partial_page_tail_and_unaligned_memory_use_buffered_requests(tmp_path) 
         assert torch.equal(out, unaligned) and store.stats.buffered_bytes == 2 * 12 + 2 * 4 * PAGE
 
 
+def test_piece_at_an_unaligned_offset_moves_its_whole_pages_direct_from_a_staging_buffer(tmp_path) -> None:
+    # The optimizer writes new weights (and backward gradient pieces) at sub-group offsets that are not on a page:
+    # a staging buffer placed like its file offset sends the pages between the first and last boundary direct.
+    with _direct_store(tmp_path, threads=2, block_size=PAGE) as store:
+        whole = _sample(8 * PAGE)
+        store.write("t", whole)
+        before = (store.stats.direct_bytes, store.stats.buffered_bytes)
+        piece = store.staging(5 * PAGE // 4, torch.float32, offset=100)  # file bytes [400, 400 + 5 pages)
+        assert (piece.data_ptr() - 400) % PAGE == 0
+        piece.copy_(torch.arange(piece.numel(), dtype=torch.float32))
+        store.write("t", piece, offset=100)
+        direct = store.stats.direct_bytes - before[0]
+        buffered = store.stats.buffered_bytes - before[1]
+        assert (direct, buffered) == (4 * PAGE, PAGE)  # head 3696 + tail 400 bytes buffered
+        expect = whole.clone()
+        expect[100:100 + piece.numel()] = piece
+        assert torch.equal(store.read("t"), expect)
+        plain = torch.ones(5 * PAGE // 4 + 1)[1:]  # torch's own allocation, 4 bytes past 64-byte alignment
+        before = store.stats.buffered_bytes
+        store.write("t", plain, offset=100)
+        assert store.stats.buffered_bytes - before == 5 * PAGE  # not placed like its offset: all buffered
+        expect[100:100 + plain.numel()] = plain
+        assert torch.equal(store.read("t"), expect)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_thread_count_is_the_number_of_io_threads(tmp_path, threads) -> None:
     before = {t.ident for t in threading.enumerate()}
