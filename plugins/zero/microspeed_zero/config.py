@@ -139,10 +139,11 @@ def zero_section() -> Section:
                                             "offload sections"),
         "stage3_gather_fp16_weights_on_model_save": Field((bool, type(None)), None, "deprecated (DeepSpeed): same "
                                                           "as stage3_gather_16bit_weights_on_model_save"),
-        "host_memory_budget": Field((int, float, str, type(None)), None, "microspeed: bytes (or \"8GiB\", "
+        "host_memory_budget": Field((int, float, str, type(None)), "auto", "microspeed: bytes (or \"8GiB\", "
                                     "\"500MB\") this rank's process may hold at its peak; initialize() refuses a "
                                     "config whose predicted peak RSS exceeds it, each step warns if the measured "
-                                    "peak (VmHWM) does; none: no check"),
+                                    "peak (VmHWM) does; \"auto\": with offload_optimizer or offload_param, 80 % of "
+                                    "RAM over the node's ranks, else no check; none: no check"),
         "leaf_module": Section({
             "classes": Field((list,), [], "class names (or qualified names) of leaf modules"),
             "names": Field((list,), [], "module names (as in named_modules) to make leaves"),
@@ -242,7 +243,11 @@ class ZeroConfig:
             raise ConfigError("zero_optimization.offload_param.device='nvme' needs offload_optimizer.device "
                               "'cpu' or 'nvme' as well (as DeepSpeed): the step runs where the state is.")
         budget = z.get("host_memory_budget")
-        if budget is not None:
+        if budget == "auto":  # offloading is how a model bigger than memory trains: hold it to the machine's RAM
+            from microspeed_zero.peak_rss import default_budget
+
+            budget = default_budget() if oo["device"] != "none" or op["device"] != "none" else None
+        elif budget is not None:
             from microspeed_zero.peak_rss import parse_bytes
 
             try:

@@ -379,6 +379,22 @@ def predict_for_config(model: Any, config: Mapping[str, Any], world_size: int = 
 _BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(i?)b?\s*$", re.IGNORECASE)
 
 
+AUTO_FRACTION = 0.8
+"""``host_memory_budget: "auto"`` (the default) with offloading: this share of the machine's RAM, over its ranks."""
+
+
+def default_budget() -> int | None:
+    """The ``"auto"`` budget of one rank: :data:`AUTO_FRACTION` of ``MemTotal`` over ``LOCAL_WORLD_SIZE`` (1 if unset);
+    ``None`` where ``/proc/meminfo`` cannot be read (no check)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            total = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return int(AUTO_FRACTION * total / local)
+
+
 def parse_bytes(value: Any, key: str = "zero_optimization.host_memory_budget") -> int:
     """Bytes from an int/float or a string: ``"8GiB"``, ``"500MB"``, ``"1.5G"`` (``KiB``/``MiB``/``GiB``/``TiB`` and
     bare ``K``/``M``/``G``/``T`` binary, ``KB``/``MB``/``GB``/``TB`` decimal); ``ValueError`` naming ``key``."""

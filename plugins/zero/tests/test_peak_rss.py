@@ -86,6 +86,24 @@ def test_budget_that_fits_trains_and_warns_once_when_the_measured_peak_passes_it
     assert len(warned) == 1 and "5.00 GiB" in warned[0] and "predicted at initialize()" in warned[0]
 
 
+def test_auto_budget_holds_offloaded_runs_to_the_machines_ram(monkeypatch):
+    # The default, "auto": with offloading, 80 % of MemTotal over the node's ranks; without it, or with null, no check.
+    def budget(zero: dict) -> int | None:
+        engine, *_ = microspeed.initialize(model=GPT(GPTConfig.tiny()), config=_config(zero))
+        return engine.plugin_state("zero").cfg.host_memory_budget
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with open("/proc/meminfo") as fh:
+        total = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemTotal:"))
+    cpu = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert budget(cpu) == int(0.8 * total / 4)
+    assert budget({"stage": 2}) is None and budget({**cpu, "host_memory_budget": None}) is None
+    monkeypatch.setattr(peak_rss, "AUTO_FRACTION", 1e-6)  # a machine far too small for this model: refused at once
+    model = GPT(GPTConfig(vocab_size=4000, d_model=128, n_layer=2, n_head=4, seq_len=16, tie_weights=False))
+    with pytest.raises(ConfigError, match=r"zero_optimization.host_memory_budget = .*predicted peak RSS"):
+        microspeed.initialize(model=model, config=_config(cpu))
+
+
 @pytest.mark.parametrize(("value", "match"), [("8 parsecs", "is not a size"), (-5, "positive"), (True, "got True")])
 def test_bad_budget_is_refused_naming_the_key(value, match):
     model = GPT(GPTConfig.tiny())
