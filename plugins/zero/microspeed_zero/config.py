@@ -253,7 +253,7 @@ class ZeroConfig:
             try:
                 budget = parse_bytes(budget)
             except ValueError as exc:
-                raise ConfigError(f"{exc} (e.g. \"host_memory_budget\": \"8GiB\"; remove the key for no check)") \
+                raise ConfigError(f"{exc} (e.g. \"host_memory_budget\": \"8GiB\"; null for no check)") \
                     from None
         return cls(
             host_memory_budget=budget,

@@ -79,8 +79,10 @@ class GradientSwapper:
         # place within a page as their file offset, so its whole pages move with O_DIRECT (the store's rule); the
         # buffers are page-aligned with one page to spare.
         self._pad = ALIGN // dtype.itemsize
-        self._lead = {index: (max(pieces, key=lambda x: x[2] - x[1])[3] - max(pieces, key=lambda x: x[2] - x[1])[1])
-                      % self._pad for index, pieces in self.layout.items()}
+        self._lead: dict[int, int] = {}
+        for index, pieces in self.layout.items():
+            _key, start, _end, off = max(pieces, key=lambda x: x[2] - x[1])
+            self._lead[index] = (off - start) % self._pad
         self._buffers: list[torch.Tensor | None] = [None] * max(3, int(buffers))  # allocated on demand
         self._free = list(range(len(self._buffers)))
         self._reads: dict[int, tuple[int, list[SwapHandle]]] = {}
