@@ -54,8 +54,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BASELINE", "RUNTIME", "RssPrediction", "activation_bytes", "check_budget", "measured_peak",
-           "parse_bytes", "predict_for_config", "predict_peak_rss"]
+__all__ = ["AUTO_FRACTION", "BASELINE", "RUNTIME", "RssPrediction", "activation_bytes", "check_budget",
+           "default_budget", "measured_peak", "parse_bytes", "predict_for_config", "predict_peak_rss"]
 
 MIB = 1 << 20
 
