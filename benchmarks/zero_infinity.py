@@ -1,18 +1,22 @@
 """A model bigger than the machine: ZeRO-3, parameters and optimizer on NVMe, against the disk's and the CPU's bounds.
 
-Usage::
+Usage (the runs in BENCHMARKS.md)::
 
-    python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --ranks 1     # the 2.44B-parameter GPT
-    python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --ranks 2
-    python benchmarks/zero_infinity.py --nvme-path /tmp/nvme --layers 2 --width 256 --steps 2   # a smoke run
-    python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --parity --layers 6 --width 2560  # 0.5B:
-        # the same model, seed and batches trained again with ZeRO-3 in memory; the losses compared
+    python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --ranks 1 --precision fp32 --verbose  # 2.44B
+    python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --ranks 2 --precision fp32 --steps 2
+    python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --ranks 1 --precision fp32 --steps 2 \
+        --engine deepspeed                              # DeepSpeed 0.19.8 on the same model (libaio-dev needed)
+    python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --parity --layers 6 --width 2560 --seq 16 \
+        --warmup 0 --steps 3 --precision bf16 --probe-size '' --compute-reps 0
+        # 0.55B in bf16, trained again from the same seed and batches with ZeRO-3 in memory; the losses compared
+    python benchmarks/zero_infinity.py --nvme-path /tmp/nvme --layers 2 --width 256 --vocab 1000 --steps 2  # smoke
 
 The model is the demo GPT (:class:`microspeed.demo.model.GPT`; default vocab 16000, width 2560, 30 layers, 20
-heads, sequence 32, untied head: 2.44B parameters, 39 GB = 36.4 GiB of bf16 mixed-precision Adam state), built
-under ``microspeed.zero.Init(remote_device="nvme")`` straight into partitioned swap files (never whole in
-memory) and trained with ZeRO stage 3, ``offload_param`` and ``offload_optimizer`` on NVMe, bf16, AdamW,
-clipping 1.0, on ``--ranks`` local processes (gloo; each rank 2 / ranks torch threads).
+heads, sequence 32, untied head: 2.44B parameters, 39 GB = 36.4 GiB of Adam state at 16 bytes per parameter in
+bf16 mixed precision and in fp32 alike), built under ``microspeed.zero.Init(remote_device="nvme")`` straight into
+partitioned swap files (never whole in memory) and trained with ZeRO stage 3, ``offload_param`` and
+``offload_optimizer`` on NVMe, ``--precision`` (bf16 by default; on a CPU without native bf16 matmuls use fp32,
+see BENCHMARKS.md), AdamW, clipping 1.0, on ``--ranks`` local processes (gloo; each rank 2 / ranks torch threads).
 
 In the same run, before the model exists, it measures the two bounds a step cannot beat:
 
