@@ -9,14 +9,17 @@ Usage (the runs in BENCHMARKS.md)::
     python benchmarks/zero_infinity.py --nvme-path /work/nvme_big --parity --layers 6 --width 2560 --seq 16 \
         --warmup 0 --steps 3 --precision bf16 --probe-size '' --compute-reps 0
         # 0.55B in bf16, trained again from the same seed and batches with ZeRO-3 in memory; the losses compared
-    python benchmarks/zero_infinity.py --nvme-path /tmp/nvme --layers 2 --width 256 --vocab 1000 --steps 2  # smoke
+    python benchmarks/zero_infinity.py --nvme-path /tmp/nvme --layers 2 --width 256 --heads 4 --vocab 1000 \
+        --steps 2                                                                       # smoke
 
 The model is the demo GPT (:class:`microspeed.demo.model.GPT`; default vocab 16000, width 2560, 30 layers, 20
 heads, sequence 32, untied head: 2.44B parameters, 39 GB = 36.4 GiB of Adam state at 16 bytes per parameter in
 bf16 mixed precision and in fp32 alike), built under ``microspeed.zero.Init(remote_device="nvme")`` straight into
 partitioned swap files (never whole in memory) and trained with ZeRO stage 3, ``offload_param`` and
-``offload_optimizer`` on NVMe, ``--precision`` (bf16 by default; on a CPU without native bf16 matmuls use fp32,
-see BENCHMARKS.md), AdamW, clipping 1.0, on ``--ranks`` local processes (gloo; each rank 2 / ranks torch threads).
+``offload_optimizer`` on NVMe, ``--precision`` (bf16 by default: weights, gradients and the parameter swap in
+bf16, fp32 masters; on a CPU without ``avx512_bf16`` the linear layers' backward GEMMs run on fp32 copies of
+their bf16 inputs, ``--bf16-gemm``, because torch's bf16 kernel for that layout is ~35x slower there), AdamW,
+clipping 1.0, on ``--ranks`` local processes (gloo; each rank 2 / ranks torch threads).
 
 In the same run, before the model exists, it measures the two bounds a step cannot beat:
 
@@ -24,9 +27,9 @@ In the same run, before the model exists, it measures the two bounds a step cann
   16 MiB requests), rank 0 alone; the **I/O bound** of a step is the bytes every rank's swap store read per step
   over the read bandwidth plus the bytes written over the write bandwidth (one disk: ranks share it);
 * **the CPU**: every rank at once (so they share the cores as in training) times the forward and backward of one
-  transformer block and of the LM head in memory, in bf16, on the step's micro-batch, and torch's AdamW on a
-  fp32 chunk; the **compute bound** is ``accumulation x (layers x block + head)`` plus AdamW's time per element
-  times the rank's share of the parameters.
+  transformer block and of the LM head in memory, in the run's precision, on the step's micro-batch, and torch's
+  AdamW on a fp32 chunk; the **compute bound** is ``accumulation x (layers x block + head)`` plus AdamW's time per
+  element times the rank's share of the parameters.
 
 Then it trains ``--warmup`` + ``--steps`` optimizer steps and prints: parameters, bytes of training state, RAM,
 peak RSS per rank (``VmHWM`` from after the bounds were measured to the end), bytes read and written per step
@@ -73,6 +76,53 @@ def _ram() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     raise KeyError("MemTotal")
+
+
+def _native_bf16_gemm() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (``avx512_bf16`` or ``amx_bf16``)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line for line in fh if line.startswith("flags")), "").split()
+    except OSError:
+        return True
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class _Fp32GemmLinear(torch.autograd.Function):
+    """``F.linear`` whose backward GEMMs take bf16 inputs to fp32, multiply, and round the result to bf16.
+
+    A bf16 GEMM accumulates in fp32 and rounds its output the same way; this only chooses which kernel does it.
+    torch 2.13 on an AVX2 CPU (no ``avx512_bf16``) sends a bf16 ``grad_output @ weight`` to a fallback that took
+    6.4 s for (32 x 10240) @ (10240 x 2560) where the fp32 product took 0.18 s (BENCHMARKS.md), so a bf16 block's
+    backward ran 13x slower than fp32's. The forward keeps torch's bf16 ``F.linear`` (its oneDNN path is fast).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).float()
+        grad_x = (g @ weight.float()).to(x.dtype).view(*grad.shape[:-1], weight.shape[1])
+        grad_w = (g.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b
+
+
+def fp32_gemm_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """Route every ``nn.Linear`` of ``model`` through :class:`_Fp32GemmLinear` (its parameters and hooks unchanged)."""
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.forward = (lambda m: lambda inp: _Fp32GemmLinear.apply(inp, m.weight, m.bias))(mod)
+    return model
+
+
+def _gemm_patch(opts, model: torch.nn.Module) -> torch.nn.Module:
+    return fp32_gemm_linears(model) if opts.precision == "bf16" and opts.bf16_gemm == "fp32" else model
 
 
 def _gpt_config(opts):
@@ -127,7 +177,7 @@ def compute_bound(opts, world: int) -> dict:
     cfg = _gpt_config(opts)
     small = GPT(type(cfg)(**{**cfg.__dict__, "n_layer": 1}))  # one block, the embeddings and the head
     dtype = torch.bfloat16 if opts.precision == "bf16" else torch.float32
-    small = small.to(dtype)
+    small = _gemm_patch(opts, small.to(dtype))
     block = small.blocks[0] if hasattr(small, "blocks") else next(m for m in small.modules()
                                                                    if type(m).__name__ == "Block")
     x = torch.randn(opts.micro, opts.seq, opts.width, dtype=dtype, requires_grad=True)
@@ -135,7 +185,7 @@ def compute_bound(opts, world: int) -> dict:
     def block_pass():
         block(x).float().square().mean().backward()
 
-    head = torch.nn.Linear(opts.width, opts.vocab, bias=False).to(dtype)
+    head = _gemm_patch(opts, torch.nn.Linear(opts.width, opts.vocab, bias=False).to(dtype))
     h = torch.randn(opts.micro, opts.seq, opts.width, dtype=dtype, requires_grad=True)
     y = torch.randint(0, opts.vocab, (opts.micro * opts.seq,))
 
@@ -217,7 +267,7 @@ def rank_main(opts, path: str | None) -> dict:
         import deepspeed as lib
     t0 = time.perf_counter()
     with lib.zero.Init(remote_device="nvme" if path is not None else None, config_dict_or_path=cfg):
-        model = GPT(_gpt_config(opts))
+        model = _gemm_patch(opts, GPT(_gpt_config(opts)))
     out["build_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if opts.engine == "deepspeed":
@@ -291,9 +341,11 @@ def report(opts, ranks: list[dict], label: str) -> dict:
            "written_per_step": statistics.median(written),
            "device_read_per_step": disk_read, "device_written_per_step": disk_written,
            "losses": [s["loss"] for s in ranks[0]["steps"]],
-           "build_s": max(r["build_s"] for r in ranks), "initialize_s": max(r["initialize_s"] for r in ranks)}
+           "build_s": max(r["build_s"] for r in ranks), "initialize_s": max(r["initialize_s"] for r in ranks),
+           "precision": opts.precision, "bf16_gemm": opts.bf16_gemm if opts.precision == "bf16" else None}
     print(f"[{label}] GPT {n / 1e9:.3f}B parameters on {opts.ranks} rank(s); training state {16 * n / GIB:.1f} GiB "
-          f"(16 B/param); RAM {fig['ram'] / GIB:.1f} GiB; state / RAM = {16 * n / fig['ram']:.2f}")
+          f"(16 B/param); RAM {fig['ram'] / GIB:.1f} GiB; state / RAM = {16 * n / fig['ram']:.2f}; {opts.precision}"
+          + (f" (backward GEMMs: {opts.bf16_gemm})" if opts.precision == "bf16" else ""))
     print(f"  build {fig['build_s']:.0f} s, initialize {fig['initialize_s']:.0f} s; peak RSS per rank "
           + ", ".join(f"{p / MIB:.0f} MiB" for p in fig["peak_rss"])
           + " (baseline before the build " + ", ".join(f"{b / MIB:.0f}" for b in fig["baseline_rss"]) + " MiB)")
@@ -340,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                         help="bf16: 16-bit weights and gradients with fp32 masters; fp32: fp32 throughout (the "
                              "weights are the masters); both 16 bytes of state per parameter with Adam")
+    parser.add_argument("--bf16-gemm", choices=("auto", "native", "fp32"), default="auto",
+                        help="bf16 runs: native = torch's bf16 GEMMs; fp32 = the linear layers' backward GEMMs "
+                             "take their bf16 inputs to fp32 and round the product to bf16 (torch's bf16 "
+                             "grad_output @ weight is ~35x slower than fp32 on a CPU without avx512_bf16); auto = "
+                             "fp32 on such a CPU, else native")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sub-group", type=float, default=1e8, help="sub_group_size (elements)")
     parser.add_argument("--buffers", type=int, default=2, help="offload_optimizer.buffer_count")
@@ -357,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ranks must be at least 1")
     if opts.width % opts.heads:
         parser.error(f"--width {opts.width} must be a multiple of --heads {opts.heads}")
+    if opts.bf16_gemm == "auto":
+        opts.bf16_gemm = "native" if _native_bf16_gemm() else "fp32"
     from microspeed.demo.model import GPT
 
     with torch.device("meta"):
