@@ -535,12 +535,14 @@ def microspeed_load_checkpoint_state(engine: Engine, states: dict[str, Any]) -> 
 
 
 @hookspec(firstresult=True)
-def microspeed_checkpoint_module_tensors(engine: Engine) -> dict[str, Any] | None:
+def microspeed_checkpoint_module_tensors(engine: Engine, saving: bool) -> dict[str, Any] | None:
     """Who presents the module's state (keyed as ``module.state_dict()``) to checkpoints.
 
     The tensors returned are written on save and filled in place on load, so a plugin that
     partitions parameters returns sharded tensors (:func:`microspeed.checkpoint.flat_shard`)
-    over its own shards. Default (``None``): ``engine.module.state_dict()``.
+    over its own shards. ``saving``: for a save, where a sharded tensor's piece may also be an
+    :class:`microspeed.checkpoint.OnDemandPiece` (read when written: a shard kept in a file); on load
+    every piece must be a tensor. Default (``None``): ``engine.module.state_dict()``.
     """
 
 

@@ -21,7 +21,8 @@ What is here, by concern:
 * **topology**: :class:`Topology`;
 * **communication**: :data:`comm` (microspeed's wrappers over ``torch.distributed``, observed by tracing,
   the watchdog and the comms logger — use them instead of ``torch.distributed`` for collectives);
-* **checkpoints**: :class:`Placement`, :func:`flat_shard`, :class:`TensorRef`, :func:`split_tensor_refs`,
+* **checkpoints**: :class:`Placement`, :func:`flat_shard`, :class:`OnDemandPiece` (a piece ``flat_shard`` takes
+  whose values are read only when the checkpoint is written), :class:`TensorRef`, :func:`split_tensor_refs`,
   :class:`CheckpointError`, :class:`CheckpointWarning`;
 * **kernels**: :func:`kernel_backend` / :func:`env_choice` (Triton or the PyTorch reference);
 * **logging**: :func:`get_logger`.
@@ -64,7 +65,7 @@ from microspeed.ops.backend import env_choice, kernel_backend
 from microspeed.topology import Topology
 
 if TYPE_CHECKING:
-    from microspeed.checkpoint import CheckpointError, CheckpointWarning, Placement, flat_shard
+    from microspeed.checkpoint import CheckpointError, CheckpointWarning, OnDemandPiece, Placement, flat_shard
     from microspeed.checkpoint.manifest import TensorRef
     from microspeed.checkpoint.manifest import split as split_tensor_refs
 
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "CheckpointError": ("microspeed.checkpoint", "CheckpointError"),
     "CheckpointWarning": ("microspeed.checkpoint", "CheckpointWarning"),
+    "OnDemandPiece": ("microspeed.checkpoint", "OnDemandPiece"),
     "Placement": ("microspeed.checkpoint", "Placement"),
     "flat_shard": ("microspeed.checkpoint", "flat_shard"),
     "TensorRef": ("microspeed.checkpoint.manifest", "TensorRef"),
@@ -106,6 +108,7 @@ __all__ = [
     "LossScaling",
     "Matrix",
     "NormRule",
+    "OnDemandPiece",
     "Placement",
     "ParameterSums",
     "PluginError",

@@ -68,7 +68,8 @@ else from ``model/<fqn>`` (an fp32 checkpoint), at full precision.
 index, atomic publish), :mod:`~microspeed.checkpoint.storage` (the per-rank files, checksums, resharding
 reads), :mod:`~microspeed.checkpoint.background` (the asynchronous writer),
 :mod:`~microspeed.checkpoint.sharding` (:func:`flat_shard`, :func:`box_shard`, :class:`Placement`,
-:func:`place_pieces`: tensors a rank holds pieces of),
+:func:`place_pieces`: tensors a rank holds pieces of; :class:`OnDemandPiece`: pieces read only when written,
+streamed into the rank's file through a bounded buffer),
 :mod:`~microspeed.checkpoint.reader` (:class:`Reader`), :mod:`~microspeed.checkpoint.saving` and
 :mod:`~microspeed.checkpoint.loading` (the engine-level entry points and the default optimizer-state
 parts), :mod:`~microspeed.checkpoint.names` (FQNs, tied aliases), :mod:`~microspeed.checkpoint.rng`,
@@ -107,6 +108,7 @@ from microspeed.checkpoint.saving import (
     save_state_dict_file,
 )
 from microspeed.checkpoint.sharding import (
+    OnDemandPiece,
     Placement,
     apply_placements,
     box_shard,
@@ -124,6 +126,7 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "CheckpointWarning",
+    "OnDemandPiece",
     "Placement",
     "Reader",
     "TensorRef",

@@ -65,6 +65,6 @@ def _ordered_union(lists: list[list[Any]]) -> list[Any]:
     return out
 
 
-def _module_tensors(engine: Any) -> dict[str, Any]:
-    tensors = engine.hook.microspeed_checkpoint_module_tensors(engine=engine)
+def _module_tensors(engine: Any, saving: bool = False) -> dict[str, Any]:
+    tensors = engine.hook.microspeed_checkpoint_module_tensors(engine=engine, saving=saving)
     return tensors if tensors is not None else engine.module.state_dict()

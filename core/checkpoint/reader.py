@@ -30,6 +30,8 @@ class Reader:
         self.targets: dict[str, list[torch.Tensor]] = {}
         self.sharded: list[tuple[str, torch.Tensor]] = []
         self.mismatches: list[str] = []
+        self.window_bytes = 0
+        """The largest read buffer (bytes) this reader's reads held so far, beside the targets."""
 
     def _placed(self, key: str, shape: tuple[int, ...]) -> Placement | None:
         """The placement when ``key`` is a piece of shape ``shape`` of a tensor saved whole (any split)."""
@@ -47,6 +49,10 @@ class Reader:
         """DCP's description (size, dtype) of the saved tensor ``key``."""
         return self.metadata.state_dict_metadata[key]  # type: ignore[return-value]
 
+    def fits(self, key: str, shape: tuple[int, ...]) -> bool:
+        """Whether :meth:`into` takes a target of ``shape`` for ``key`` (the saved shape, or its placed piece)."""
+        return self._placed(key, tuple(shape)) is not None or tuple(self.meta(key).size) == tuple(shape)
+
     def into(self, key: str, target: torch.Tensor, name: str) -> None:
         """Read ``key`` into ``target`` (cast to its dtype); shapes must agree, or ``target`` be its placed piece."""
         where = self._placed(key, tuple(target.shape))
@@ -63,6 +69,19 @@ class Reader:
             self.sharded.append((key, target))
             return
         self.targets.setdefault(key, []).append(target)
+
+    def read_now(self, targets: list[tuple[str, torch.Tensor, str]]) -> None:
+        """Read each ``(key, target, name)`` at once (as :meth:`into` then :meth:`run`), apart from what is collected.
+
+        For a caller that fills its state a part at a time, each part in a buffer it reuses (state kept in
+        files, say): only this rank's files are read, no collective runs, so ranks may call it different
+        numbers of times. Raises :class:`CheckpointError` on a shape mismatch, as :meth:`run` does.
+        """
+        part = Reader(self.tag_dir, self.metadata, self.manifest, self.placements, self.rank)
+        for key, target, name in targets:
+            part.into(key, target, name)
+        part.run(no_dist=True)
+        self.window_bytes = max(self.window_bytes, part.window_bytes)
 
     def fresh(self, key: str) -> torch.Tensor:
         """A new CPU tensor that will hold ``key`` as saved (dtype and shape; this rank's piece when placed)."""
@@ -126,7 +145,8 @@ class Reader:
         files = self.manifest.get("tensor_files")
         if files is None and os.path.isfile(os.path.join(self.tag_dir, MANIFEST)):
             files = read_manifest(self.tag_dir).get("tensor_files")
-        storage.read_boxes(self.tag_dir, self.metadata, files, requests)
+        window = storage.read_boxes(self.tag_dir, self.metadata, files, requests)
+        self.window_bytes = max(self.window_bytes, window)
 
     def _load(self, plan: dict[str, torch.Tensor], no_dist: bool) -> None:
         try:

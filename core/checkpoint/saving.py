@@ -33,7 +33,7 @@ from microspeed.checkpoint.names import (
     optimizer_param_names,
 )
 from microspeed.checkpoint.rng import _rng_state
-from microspeed.checkpoint.sharding import apply_placements, collect_placements
+from microspeed.checkpoint.sharding import apply_placements, collect_placements, is_on_demand
 from microspeed.checkpoint.storage import (
     assign,
     data_file,
@@ -41,6 +41,8 @@ from microspeed.checkpoint.storage import (
     finalize,
     local_items,
     mark_failed,
+    plan_layout,
+    stream_rank_file,
     write_rank_file,
 )
 
@@ -55,6 +57,13 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     are copied to CPU memory and write them in a background thread (:mod:`microspeed.checkpoint.background`);
     ``latest`` names the tag only once every rank finished. A previous save still in flight is waited
     for first, and its error, if any, is raised here on every rank.
+
+    **On-demand items.** A plugin may hand pieces whose values are read only when written
+    (:class:`~microspeed.checkpoint.sharding.OnDemandPiece`: state kept in files, say). A rank holding
+    any streams its items into its file one by one through a bounded buffer
+    (:func:`~microspeed.checkpoint.storage.stream_rank_file`) instead of staging them all, so the save adds
+    about that buffer to memory, not the rank's state. Such pieces must be read before training changes them,
+    so when any rank holds one the save is synchronous on every rank, ``async_save`` notwithstanding.
     """
     saver = saver_for(engine)
     previous = saver.wait_quietly()
@@ -65,7 +74,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     engine.hook.microspeed_before_checkpoint_save(engine=engine, save_dir=save_dir, tag=tag)
     tensors: dict[str, torch.Tensor] = {}
 
-    module_sd = _module_tensors(engine)
+    module_sd = _module_tensors(engine, saving=True)
     if exclude_frozen_parameters:
         frozen = {n for n, p in engine.module.named_parameters() if not p.requires_grad}
         module_sd = {k: v for k, v in module_sd.items() if k not in frozen}
@@ -91,6 +100,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     client_part = split(dict(client_state or {}), "client", tensors if rank == 0 else {})
     apply_placements(tensors, collect_placements(engine), rank)
     items = local_items(tensors)
+    on_demand = any(is_on_demand(i.source) for i in items)
 
     model_part = {"keys": list(module_sd), "aliases": aliases, "extra": extra}
     described = describe(items)
@@ -101,7 +111,7 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         spread = pack([model_part, optimizer_part])  # do the ranks hold different parameters (pipeline stages)?
         mine = torch.tensor([_fingerprint(tag.encode()), _fingerprint(repr(described).encode()),
                              _fingerprint(digest), _fingerprint(spread), int(previous is not None),
-                             int(nonce, 16) & (2**47 - 1)], dtype=torch.int64)
+                             int(nonce, 16) & (2**47 - 1), int(on_demand)], dtype=torch.int64)
         everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
         comm.all_gather_into_tensor(everyone, mine)
         column = everyone.view(world, -1).t().tolist()
@@ -121,6 +131,8 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
             model_part = merge_model_parts([p[0] for p in parts])
             optimizer_part = merge_optimizer_parts([p[1] for p in parts])
         nonce = f"{column[5][0]:012x}"
+        if any(column[6]):  # on-demand pieces are read before returning: synchronous everywhere
+            async_save = False
         if saver.plan is None or saver.plan[0] != column[1]:  # the items changed: agree on who writes what
             saver.plan = (column[1], assign(comm.all_gather_object(described), rank))
         mine_idents = saver.plan[1]
@@ -129,7 +141,14 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
             raise CheckpointError("save_checkpoint: the previous asynchronous save failed and was not published "
                                   f"(latest still names the save before it): rank 0: {previous}")
         mine_idents = assign([described], 0)
-    layout = saver.staging.stage([i for i in items if i.ident in mine_idents])
+        async_save = async_save and not on_demand
+    mine_items = [i for i in items if i.ident in mine_idents]
+    if on_demand:  # streamed by the write below, never staged whole
+        saver.staging.release()
+        layout = plan_layout(mine_items)
+    else:
+        layout = saver.staging.stage(mine_items)
+    del mine_items
     del items, tensors  # the staged copy is what gets written; training may change the originals now
     tmp = os.path.join(save_dir, f"{tag}{_TMP}{nonce}")
     os.makedirs(tmp, exist_ok=True)
@@ -173,7 +192,10 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         return True
     error = None
     try:
-        write_rank_file(tmp, rank, buffer, layout, rng)
+        if on_demand:
+            saver.staging.bounce_bytes = stream_rank_file(tmp, rank, layout, rng)
+        else:
+            write_rank_file(tmp, rank, buffer, layout, rng)
     except Exception as exc:
         error = f"{os.path.join(tmp, data_file(rank))}: {type(exc).__name__}: {_short(exc)}"
     errors = comm.all_gather_object(error) if world > 1 else [error]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,50 @@ from torch.distributed.tensor import DTensor, Shard
 _aten = torch.ops.aten
 
 
+@runtime_checkable
+class OnDemandPiece(Protocol):
+    """A checkpoint piece whose values are produced when the checkpoint is written, not held in memory.
+
+    Handed to :func:`flat_shard` in place of the local tensor (a piece of state that lives in files, say):
+    ``numel`` elements of ``dtype``, in the flat order of the local tensor it stands for. The writer calls
+    :meth:`read_into` item by item through a bounded buffer (:func:`~microspeed.checkpoint.storage.stream_rank_file`),
+    so a save holding such pieces never stages the whole rank. It is read during ``save_checkpoint``, which
+    is then synchronous even with ``checkpoint.async_save`` (the values change once training goes on).
+    Loading never sees one: it reads into tensors.
+    """
+
+    numel: int
+    dtype: torch.dtype
+
+    def read_into(self, out: torch.Tensor, offset: int = 0) -> None:
+        """Fill ``out`` (1-D, contiguous, CPU, ``dtype``) with elements ``[offset, offset + out.numel())``."""
+
+
+class _Window:
+    """Elements ``[start, start + prod(sizes))`` of an :class:`OnDemandPiece`, as a box of ``sizes``."""
+
+    def __init__(self, source: OnDemandPiece, start: int, sizes: Sequence[int]) -> None:
+        self.source, self.start, self.sizes = source, int(start), torch.Size(list(sizes))
+        self.numel = self.sizes.numel()
+        self.dtype = source.dtype
+        self.device = torch.device("cpu")
+
+    def size(self) -> torch.Size:
+        """The box's sizes (as ``Tensor.size()``)."""
+        return self.sizes
+
+    def read_into(self, out: torch.Tensor, offset: int = 0) -> None:
+        """Fill ``out`` (1-D) with the box's flat elements ``[offset, offset + out.numel())``."""
+        if offset < 0 or offset + out.numel() > self.numel:
+            raise ValueError(f"read_into: elements {offset}..{offset + out.numel()} of a piece of {self.numel}")
+        self.source.read_into(out, self.start + offset)
+
+
+def is_on_demand(piece: Any) -> bool:
+    """Whether ``piece`` (a checkpoint item's source) is produced on demand rather than a tensor in memory."""
+    return not isinstance(piece, torch.Tensor) and isinstance(piece, OnDemandPiece)
+
+
 class Pieces(torch.Tensor):
     """This rank's pieces of a tensor of global ``shape``, as ``torch.distributed.checkpoint`` reads and writes them.
 
@@ -34,14 +78,17 @@ class Pieces(torch.Tensor):
     same-shape views give another :class:`Pieces` over the same views).
     """
 
-    _pieces: list[torch.Tensor]
+    _pieces: list[Any]
     _chunks: list[ChunkStorageMetadata]
     _properties: TensorProperties
 
     @staticmethod
     def __new__(cls, pieces: Sequence[torch.Tensor], offsets: Sequence[Sequence[int]], shape: Sequence[int],
                 dtype: torch.dtype, device: torch.device) -> Pieces:
-        """Describe ``pieces`` at ``offsets`` of a tensor of ``shape`` (all pieces of ``dtype`` on ``device``)."""
+        """Describe ``pieces`` at ``offsets`` of a tensor of ``shape`` (all pieces of ``dtype`` on ``device``).
+
+        A piece is a tensor view, or (saving only) a box of an :class:`OnDemandPiece`.
+        """
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(list(shape)), dtype=dtype, device=device)
         r._pieces = list(pieces)
         r._chunks = [ChunkStorageMetadata(offsets=torch.Size(list(o)), sizes=p.size())
@@ -99,16 +146,17 @@ def _mesh(device_type: str, world: int, rank: int) -> DeviceMesh:
     return DeviceMesh(device_type, list(range(world)), _init_backend=False, _rank=rank)
 
 
-def _pieces_tensor(pieces: list[torch.Tensor], offsets: list[tuple[int, ...]], shape: Sequence[int], rank: int,
-                   world: int, like: torch.Tensor) -> DTensor:
+def _pieces_tensor(pieces: list[Any], offsets: list[tuple[int, ...]], shape: Sequence[int], rank: int,
+                   world: int, like: Any) -> DTensor:
     """A DTensor of global ``shape`` whose local tensor is :class:`Pieces` (``pieces`` at ``offsets``)."""
     shape = torch.Size(list(shape))
     stride, acc = [], 1
     for size in reversed(shape):
         stride.insert(0, acc)
         acc *= size
-    local = Pieces(pieces, offsets, shape, like.dtype, like.device)
-    mesh = _mesh(like.device.type, max(world, rank + 1), rank)
+    device = getattr(like, "device", torch.device("cpu"))
+    local = Pieces(pieces, offsets, shape, like.dtype, device)
+    mesh = _mesh(device.type, max(world, rank + 1), rank)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=tuple(stride))
 
 
@@ -150,14 +198,17 @@ def flat_range_boxes(shape: tuple[int, ...] | list[int], start: int, end: int) -
     return boxes
 
 
-def flat_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int], ranges_by_rank: list[list[tuple[int, int]]],
-               rank: int) -> Any:
+def flat_shard(local: torch.Tensor | OnDemandPiece, shape: tuple[int, ...] | list[int],
+               ranges_by_rank: list[list[tuple[int, int]]], rank: int) -> Any:
     """A sharded tensor (a DTensor) of global ``shape`` whose pieces are flat ranges of its row-major order.
 
     ``ranges_by_rank[q]`` lists the flat ranges rank ``q`` (global rank) holds, together covering
     the tensor exactly once; ``local`` is this ``rank``'s pieces concatenated (1-D, a view into
     the caller's storage: saving reads it, loading writes it in place). Checkpoints key it like
     the full tensor, so it reloads under any other partition, or as a plain tensor.
+
+    ``local`` may instead be an :class:`OnDemandPiece` (saving only): its elements are read when the
+    checkpoint is written, through a bounded buffer; the checkpoint is the same as for the tensor.
     """
     shape = list(shape)
     pieces, offsets = [], []
@@ -167,7 +218,8 @@ def flat_shard(local: torch.Tensor, shape: tuple[int, ...] | list[int], ranges_b
             n = 1
             for x in sizes:
                 n *= x
-            pieces.append(local[offset:offset + n].view(sizes))
+            pieces.append(local[offset:offset + n].view(sizes) if isinstance(local, torch.Tensor)
+                          else _Window(local, offset, sizes))
             offsets.append(tuple(offs))
             offset += n
     return _pieces_tensor(pieces, offsets, shape, rank, _world(len(ranges_by_rank)), local)

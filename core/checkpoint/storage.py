@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 from microspeed.checkpoint.errors import CheckpointError
 from microspeed.checkpoint.layout import _DCP_INDEX, MANIFEST, _fsync_dir, _write_bytes
 from microspeed.checkpoint.manifest import pack, unpack
-from microspeed.checkpoint.sharding import Pieces
+from microspeed.checkpoint.sharding import Pieces, is_on_demand
 
 RAW_FORMAT = "microspeed.raw.1"
 """``Metadata.planner_data["format"]`` of a checkpoint written by this module (raw bytes, one file per rank)."""
@@ -69,6 +69,8 @@ CHECKSUM = "crc32"
 """The checksum algorithm named in the manifest's ``tensor_files``."""
 
 _ALIGN = 64
+STREAM_CHUNK_BYTES = 64 << 20
+"""The bounce buffer of a streamed save (:func:`stream_rank_file`): at most this many bytes, read at a time."""
 _POLL_S = 0.02
 _LIVENESS_S = 0.5  # how often rank 0's wait asks whether the ranks it waits for are alive
 
@@ -97,7 +99,8 @@ class Item:
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    source: torch.Tensor
+    source: Any
+    """A tensor (a view of the holder's memory), or an :class:`~microspeed.checkpoint.sharding.OnDemandPiece`'s box."""
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +127,7 @@ def local_items(tensors: dict[str, Any]) -> list[Item]:
                                       f"checkpoints take plain tensors or microspeed.checkpoint.flat_shard/"
                                       f"box_shard pieces.")
             for piece, chunk in zip(local._pieces, local._chunks, strict=True):
-                if piece.numel():
+                if (piece.numel if is_on_demand(piece) else piece.numel()):
                     items.append(Item(key, t.dtype, tuple(t.shape), tuple(chunk.offsets), tuple(chunk.sizes), piece))
         elif isinstance(t, torch.Tensor):
             items.append(Item(key, t.dtype, tuple(t.shape), (0,) * t.dim(), tuple(t.shape), t.detach()))
@@ -169,22 +172,36 @@ class Layout:
     nbytes: int
 
 
+def plan_layout(items: Iterable[Item]) -> Layout:
+    """Where each item goes in the rank's file: one after the other, each at a multiple of 64 bytes."""
+    entries, offset = [], 0
+    for item in items:
+        entries.append((item, offset))
+        offset += -(-item.nbytes // _ALIGN) * _ALIGN
+    return Layout(entries, offset)
+
+
 class Staging:
     """A reusable CPU buffer (pinned when CUDA is available) holding one rank's items, contiguous.
 
     :meth:`stage` copies the items in (the only part of an asynchronous save that blocks training);
-    the buffer is reused by the next save, which waits for the previous write first.
+    the buffer is reused by the next save, which waits for the previous write first. A save holding
+    on-demand items streams them instead (:func:`stream_rank_file`) and leaves the buffer empty;
+    :attr:`bounce_bytes` is the size of the bounce buffer its last streamed save used.
     """
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.bounce_bytes = 0
+
+    def release(self) -> None:
+        """Drop the staging buffer (a streamed save holds no staged copy)."""
+        self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def stage(self, items: Iterable[Item]) -> Layout:
         """Copy ``items`` into the buffer (growing it if needed); returns their layout."""
-        entries, offset = [], 0
-        for item in items:
-            entries.append((item, offset))
-            offset += -(-item.nbytes // _ALIGN) * _ALIGN
+        layout = plan_layout(items)
+        entries, offset = layout.entries, layout.nbytes
         if self.buffer.numel() < offset:
             pin = torch.cuda.is_available()
             self.buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin)
@@ -195,11 +212,14 @@ class Staging:
                     continue
                 dst = self.buffer[at:at + item.nbytes].view(item.dtype).view(item.sizes)
                 src = item.source
+                if is_on_demand(src):
+                    src.read_into(dst.view(-1))
+                    continue
                 sync |= src.device.type != "cpu"
                 dst.copy_(src, non_blocking=src.device.type == "cuda")
         if sync and torch.cuda.is_available():
             torch.cuda.synchronize()
-        return Layout(entries, offset)
+        return layout
 
 
 class _Prefix:
@@ -255,6 +275,11 @@ def write_rank_file(tmp: str, rank: int, buffer: torch.Tensor, layout: Layout, r
         summing.join()
     if len(crcs) != len(layout.entries):
         raise CheckpointError(f"{os.path.join(tmp, data_file(rank))}: computing the checksums failed.", tmp)
+    _write_index(tmp, rank, layout, crcs, rng)
+
+
+def _write_index(tmp: str, rank: int, layout: Layout, crcs: list[int], rng: Any) -> None:
+    """Check the data file's size, then write this rank's completion marker (items, offsets, crc32s, ``rng``)."""
     path = os.path.join(tmp, data_file(rank))
     if os.path.getsize(path) != layout.nbytes:
         raise CheckpointError(f"{path}: wrote {os.path.getsize(path)} bytes, expected {layout.nbytes}.", path)
@@ -266,6 +291,56 @@ def write_rank_file(tmp: str, rank: int, buffer: torch.Tensor, layout: Layout, r
     with open(marker + ".part", "wb") as fh:
         fh.write(pack({"file": data_file(rank), "bytes": layout.nbytes, "items": entries, "rng": rng}))
     os.replace(marker + ".part", marker)
+
+
+def stream_rank_file(tmp: str, rank: int, layout: Layout, rng: Any = None,
+                     chunk_bytes: int | None = None) -> int:
+    """Write this rank's items to ``tmp/__<rank>_0.distcp`` item by item, without staging them; returns the bounce
+    buffer's bytes.
+
+    The file, its index and checksums are those :func:`write_rank_file` writes for the same ``layout``
+    (:func:`plan_layout`). A contiguous CPU tensor is written from its own memory; an on-demand piece, or any
+    other tensor, goes through one bounce buffer of at most ``chunk_bytes`` (default
+    :data:`STREAM_CHUNK_BYTES`; never more than the largest such item), a window at a time, the crc32 computed
+    as it goes. Synchronous: the caller must not change the items until it returns.
+    """
+    cap = max(16, int(STREAM_CHUNK_BYTES if chunk_bytes is None else chunk_bytes))  # >= one element
+    bounced = [item.nbytes for item, _at in layout.entries
+               if is_on_demand(item.source) or item.source.device.type != "cpu" or not item.source.is_contiguous()]
+    bounce = torch.empty(min(cap, max(bounced, default=0)), dtype=torch.uint8)
+    path = os.path.join(tmp, data_file(rank))
+    crcs: list[int] = []
+    with open(path, "wb") as fh:
+        for item, at in layout.entries:
+            fh.seek(at)
+            crc = 0
+            src = item.source
+            if not is_on_demand(src) and src.device.type == "cpu" and src.is_contiguous():
+                if item.nbytes:
+                    view = memoryview(src.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+                    fh.write(view)
+                    crc = zlib.crc32(view)
+                crcs.append(crc)
+                continue
+            per = max(1, bounce.numel() // item.dtype.itemsize)
+            total = item.nbytes // item.dtype.itemsize
+            flat = None if is_on_demand(src) else src.detach().reshape(-1)
+            for a in range(0, total, per):
+                n = min(per, total - a)
+                out = bounce[:n * item.dtype.itemsize].view(item.dtype)
+                if flat is None:
+                    src.read_into(out, a)
+                else:
+                    out.copy_(flat[a:a + n])
+                view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+                fh.write(view)
+                crc = zlib.crc32(view, crc)
+            crcs.append(crc)
+        fh.truncate(layout.nbytes)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _write_index(tmp, rank, layout, crcs, rng)
+    return bounce.numel()
 
 
 def mark_failed(tmp: str, rank: int, message: str) -> None:
@@ -365,11 +440,13 @@ def is_raw(metadata: Metadata) -> bool:
 
 
 def read_boxes(tag_dir: str, metadata: Metadata, files: dict[str, Any] | None,
-               requests: list[tuple[str, tuple[int, ...], torch.Tensor]]) -> None:
+               requests: list[tuple[str, tuple[int, ...], torch.Tensor]]) -> int:
     """Fill each ``(key, offsets, target)``: the box of ``key`` at ``offsets`` of ``target``'s shape.
 
     Each saved chunk that overlaps a request is read once (file order), its crc32 checked against
-    ``files`` (the manifest's ``tensor_files``), and the overlap copied (cast to the target's dtype).
+    ``files`` (the manifest's ``tensor_files``), and the overlap copied (cast to the target's dtype). A chunk
+    is read a window of whole rows (its first dimension) at a time, at most :data:`STREAM_CHUNK_BYTES` or one
+    row, so reading holds no more than that beside the targets: returns the largest window's bytes.
     """
     needs: dict[MetadataIndex, list[tuple[tuple[slice, ...], torch.Tensor]]] = {}
     for key, offsets, target in requests:
@@ -395,6 +472,7 @@ def read_boxes(tag_dir: str, metadata: Metadata, files: dict[str, Any] | None,
             raise CheckpointError(f"{tag_dir}: the checkpoint holds {got} of the {want} elements of {key!r} at "
                                   f"{list(offsets)} (an incomplete index?).", tag_dir)
     by_file: dict[str, list[tuple[int, int, MetadataIndex]]] = {}
+    largest = 0
     for index in needs:
         info = metadata.storage_data[index]
         by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index))
@@ -403,24 +481,43 @@ def read_boxes(tag_dir: str, metadata: Metadata, files: dict[str, Any] | None,
         crcs = {at: crc for at, _n, crc in (files or {}).get(rel, {}).get("items", [])} if files is not None else None
         with open(path, "rb") as fh:
             for at, length, index in sorted(chunks, key=lambda c: c[0]):
-                raw = torch.empty(length, dtype=torch.uint8)
+                meta = metadata.state_dict_metadata[index.fqn]
+                chunk = next(c for c in meta.chunks if c.offsets == index.offset)
+                rows = chunk.sizes[0] if len(chunk.sizes) else 1
+                row_bytes = length // rows if rows else length
+                per = max(1, STREAM_CHUNK_BYTES // max(1, row_bytes)) if len(chunk.sizes) else 1
+                raw = torch.empty(min(length, per * row_bytes), dtype=torch.uint8)
+                largest = max(largest, raw.numel())
+                actual = 0
                 fh.seek(at)
-                got = fh.readinto(memoryview(raw.numpy()).cast("B")) if length else 0
-                if got != length:
-                    raise CheckpointError(f"{path} is truncated: {index.fqn!r} needs bytes {at}..{at + length}, "
-                                          f"the file ends at {at + got}.", path)
+                for r0 in range(0, max(rows, 1), per):  # a window of whole rows at a time: bounded memory
+                    r1 = min(rows, r0 + per) if len(chunk.sizes) else 1
+                    n = (r1 - r0) * row_bytes
+                    window = raw[:n]
+                    got = fh.readinto(memoryview(window.numpy()).cast("B")) if n else 0
+                    if got != n:
+                        raise CheckpointError(f"{path} is truncated: {index.fqn!r} needs bytes {at}..{at + length}, "
+                                              f"the file ends at {at + r0 * row_bytes + got}.", path)
+                    if crcs is not None:
+                        actual = zlib.crc32(memoryview(window.numpy()).cast("B"), actual)
+                    if not len(chunk.sizes):
+                        saved = window.view(meta.properties.dtype).view(())
+                        with torch.no_grad():
+                            for src, dst in needs[index]:
+                                dst.copy_(saved[src])
+                        continue
+                    saved = window.view(meta.properties.dtype).view((r1 - r0, *chunk.sizes[1:]))
+                    with torch.no_grad():
+                        for src, dst in needs[index]:
+                            a, b = max(src[0].start, r0), min(src[0].stop, r1)
+                            if a < b:
+                                dst[a - src[0].start:b - src[0].start].copy_(saved[(slice(a - r0, b - r0), *src[1:])])
                 if crcs is not None:
                     expected = crcs.get(at)
-                    actual = zlib.crc32(memoryview(raw.numpy()).cast("B"))
                     if expected is None or actual != expected:
                         raise CheckpointError(
                             f"{path}: reading checkpoint tensors failed: checksum mismatch in bytes "
                             f"{at}..{at + length} ({index.fqn!r}): {CHECKSUM} {actual:#010x}, the manifest says "
                             f"{'nothing' if expected is None else f'{expected:#010x}'}. The file is corrupted; "
                             f"load another tag.", path)
-                meta = metadata.state_dict_metadata[index.fqn]
-                chunk = next(c for c in meta.chunks if c.offsets == index.offset)
-                saved = raw.view(meta.properties.dtype).view(tuple(chunk.sizes))
-                with torch.no_grad():
-                    for src, dst in needs[index]:
-                        dst.copy_(saved[src])
+    return largest
