@@ -188,11 +188,11 @@ class ZeroPlugin:
     # -- checkpoints ---------------------------------------------------------------------------
 
     @hookimpl(tryfirst=True)
-    def microspeed_checkpoint_module_tensors(self) -> dict | None:
-        """Stage 3: parameters as this rank's shards."""
+    def microspeed_checkpoint_module_tensors(self, saving: bool) -> dict | None:
+        """Stage 3: parameters as this rank's shards (a file-resident one, when saving, read as it is written)."""
         from microspeed_zero import checkpointing  # imports torch.distributed.checkpoint: only when used
 
-        return checkpointing.module_tensors(self.rt) if self._active() else None
+        return checkpointing.module_tensors(self.rt, saving) if self._active() else None
 
     @hookimpl(tryfirst=True)
     def microspeed_save_optimizer_state(self, tensors: dict) -> dict | None:

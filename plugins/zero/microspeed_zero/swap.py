@@ -53,10 +53,14 @@ tensors per sub-group)`` (:meth:`OptimizerSwapper.budget_bytes`), plus the gradi
 (:meth:`~microspeed_zero.grad_swap.GradientSwapper.budget_bytes`). The step adds Adam's temporaries (a few
 sub-group-sized tensors).
 
-Checkpoints and user reads (``safe_get_full_fp32_param``) see the state through
+Checkpoints stream too: a save hands each master and state tensor as :class:`SwapPiece` s (on-demand
+checkpoint pieces that read exactly their elements from the sub-group files when the core writes them,
+through its bounded buffer), and a load fills one sub-group at a time in a slot
+(:meth:`OptimizerSwapper.load_subgroups`) and writes it back, so neither holds more than a slot and one
+read window, whatever the partition's size. User reads (``safe_get_full_fp32_param``) see the state through
 :meth:`OptimizerSwapper.resident` (read everything into fresh tensors for the duration) or
-:meth:`OptimizerSwapper.materialize` / :meth:`OptimizerSwapper.evict` (loading: fill in place,
-then write back).
+:meth:`OptimizerSwapper.materialize` / :meth:`OptimizerSwapper.evict` (fill in place, then write back).
+:attr:`OptimizerSwapper.peak_held_bytes` records the most optimizer-state bytes held beside the slots.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ import contextlib
 import copy
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +121,31 @@ class SubGroup:
     def segments(self) -> list[int]:
         """Indices of the segments this sub-group holds pieces of (each once, in layout order)."""
         return list(dict.fromkeys(p.seg for p in self.pieces))
+
+
+class SwapPiece:
+    """Elements ``[start, end)`` of this rank's slice of segment ``seg``, of state tensor ``tensor_names[j]``.
+
+    A checkpoint piece read on demand (:class:`~microspeed.plugin_api.OnDemandPiece`): :meth:`read_into`
+    reads exactly the asked elements from the sub-group files; slicing (``piece[a:b]``, offsets from
+    ``start``) gives a narrower piece, as slicing the slice's tensor would.
+    """
+
+    def __init__(self, swapper: OptimizerSwapper, seg: int, j: int, start: int, end: int) -> None:
+        self.swapper, self.seg, self.j, self.start, self.end = swapper, seg, j, int(start), int(end)
+        self.numel = self.end - self.start
+        self.dtype = torch.float32
+
+    def __getitem__(self, item: slice) -> SwapPiece:
+        a, b, _ = item.indices(self.numel)
+        return SwapPiece(self.swapper, self.seg, self.j, self.start + a, self.start + max(a, b))
+
+    def read_into(self, out: torch.Tensor, offset: int = 0) -> None:
+        """Fill ``out`` (1-D, contiguous fp32) with this piece's elements ``[offset, offset + out.numel())``."""
+        a = self.start + int(offset)
+        if a + out.numel() > self.end:
+            raise ValueError(f"SwapPiece.read_into: elements {offset}..{offset + out.numel()} of {self.numel}")
+        self.swapper.read_range(self.seg, self.j, a, out)
 
 
 def _global_rank(rt: Any) -> int:
@@ -175,6 +204,15 @@ class OptimizerSwapper:
         self._prefetchers: dict[tuple[Any, ...], Prefetcher] = {}
         self.gradients: GradientSwapper | None = None
         """Stages 2, 3: the gradient partition in the sub-group files (see the module docstring)."""
+        self._where: dict[int, list[tuple[int, int, SubGroup, int]]] = {}  # seg -> (start, end, sub-group, lo)
+        for sg in self.subgroups:
+            for p in sg.pieces:
+                self._where.setdefault(p.seg, []).append((p.start, p.end, sg, p.lo))
+        for spans in self._where.values():
+            spans.sort(key=lambda w: w[0])
+        self.peak_held_bytes = 0
+        """The most bytes of optimizer state held in memory beside the slots so far (:meth:`resident` /
+        :meth:`materialize` copies; a checkpoint load's read windows); reset it to measure a span."""
         self._depth = 0  # nesting of resident()
         self._resident = False
         self._with_states = False
@@ -480,6 +518,80 @@ class OptimizerSwapper:
                   amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=bool(group.get("maximize", False)))
 
+    # -- checkpoints: streamed, a sub-group at a time ---------------------------------------------
+
+    def read_range(self, seg: int, j: int, start: int, out: torch.Tensor) -> None:
+        """Read elements ``[start, start + out.numel())`` of this rank's slice of segment ``seg``, tensor
+        ``tensor_names[j]``, from the sub-group files into ``out`` (every element must be in a run)."""
+        self._check_open()
+        end = start + out.numel()
+        covered = 0
+        for a, b, sg, lo in self._where.get(seg, []):
+            x0, x1 = max(a, start), min(b, end)
+            if x0 < x1:
+                self.store.read(sg.keys[j], out[x0 - start:x1 - start], offset=lo + x0 - a)
+                covered += x1 - x0
+        if covered != out.numel():
+            raise ValueError(f"NVMe swapper: elements {start}..{end} of segment {seg} are not all optimizer state "
+                             f"({covered} of {out.numel()} are)")
+
+    def piece(self, seg: Any, j: int) -> SwapPiece:
+        """The whole of this rank's slice of ``seg`` (a segment) for tensor ``tensor_names[j]``, as a :class:`SwapPiece`
+        indexed like the slice (only the elements of runs may be read)."""
+        return SwapPiece(self, seg.index, j, 0, seg.shard_size)
+
+    def run_tensor_names(self, r: int) -> tuple[str, ...]:
+        """The streamed state tensors run ``r`` holds (as its state dict under :meth:`resident` would)."""
+        if not self.adam:
+            return tuple(self.initial)
+        amsgrad = self.amsgrad and bool(self.rt.optimizer.param_groups[self._runs[r][1]].get("amsgrad", False))
+        return MOMENTS + (("max_exp_avg_sq",) if amsgrad else ())
+
+    def run_scalars(self, r: int) -> dict[str, Any]:
+        """Run ``r``'s scalar state (Adam: ``step`` as a 0-d float tensor), as :meth:`resident` presents it."""
+        if self.adam:
+            return {"step": torch.tensor(self._steps[r], dtype=torch.float32)}
+        return self._scalar_state(self.rt.optimizer.inner.state.get(self._runs[r][4], {}))
+
+    def set_run_scalars(self, r: int, scalars: dict[str, Any]) -> None:
+        """Replace run ``r``'s scalar state by ``scalars`` (a checkpoint's; names absent there keep their value)."""
+        if self.adam:
+            step = scalars.get("step")
+            if step is not None:
+                self._steps[r] = float(step.item() if isinstance(step, torch.Tensor) else step)
+            return
+        view = self._runs[r][4]
+        state = self.rt.optimizer.inner.state
+        state[view] = {**self._scalar_state(state.get(view, {})),
+                       **{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}}
+
+    def load_subgroups(self, plan: Callable[[SubGroup], tuple[list[bool], Callable[[list[torch.Tensor]], None]]],
+                       names: int) -> None:
+        """Fill the first ``names`` tensors of every sub-group in turn, in a slot, and write them back.
+
+        ``plan(sg)`` returns ``(whole, fill)``: per tensor, whether ``fill`` overwrites every element (else the
+        tensor is first read from its file), and ``fill(bufs)``, which fills the tensors (views of the slot). The
+        whole load holds one slot beside what ``fill`` reads with.
+        """
+        self._check_open()
+        if self._depth or self._resident:
+            raise RuntimeError("swapper.load_subgroups() while the state is resident; leave resident() / evict() "
+                               "first.")
+        slot = self._slots[0] if self._slots else []
+        for sg in self.subgroups:
+            bufs = [t[:sg.numel] for t in slot[:names]]
+            whole, fill = plan(sg)
+            for key, buf, covered in zip(sg.keys, bufs, whole, strict=False):
+                if not covered:
+                    self.store.read(key, buf)
+            fill(bufs)
+            for key, buf in zip(sg.keys, bufs, strict=False):
+                self.store.write(key, buf)
+
+    def note_held(self, nbytes: int) -> None:
+        """Record that ``nbytes`` of optimizer state are held beside the slots (for :attr:`peak_held_bytes`)."""
+        self.peak_held_bytes = max(self.peak_held_bytes, int(nbytes))
+
     # -- resident copies -----------------------------------------------------------------------
 
     def _load(self, states: bool) -> None:
@@ -501,6 +613,8 @@ class OptimizerSwapper:
                     for name, t in zip(names[1:], tensors[1:], strict=True):
                         moments[name][p.seg][p.start:p.end].copy_(t[p.lo:p.hi])
         rt.masters = masters
+        self.note_held(sum(m.nbytes for m in masters.values())
+                       + sum(t.nbytes for per in moments.values() for t in per.values()))
         for r, (seg, g, start, end, view) in enumerate(self._runs):
             view.data = masters[seg.index][start:end]
             if not self.adam:  # the scalars stay in the inner state between steps; the tensors join them here
