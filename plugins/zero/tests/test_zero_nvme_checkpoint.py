@@ -6,7 +6,8 @@ streaming buffer (``microspeed.checkpoint.storage.STREAM_CHUNK_BYTES``) set to o
 
 * round trip: 2 steps with NVMe offload, save (``async_save`` on: synchronous, as the state is read from the files
   while written), 2 more; a fresh NVMe engine and a fresh in-memory engine load the
-  checkpoint and train 2 steps: every loss equals the uninterrupted in-memory run's;
+  checkpoint (on 1 rank also rewritten in the layout before checksums, DCP's files, into NVMe) and train 2 steps:
+  every loss equals the uninterrupted in-memory run's;
 * memory: the most optimizer state held in memory beside the swapper's slots during the save (the swapper's
   ``peak_held_bytes``, the core's staging buffer and its bounce buffer) and during the load (the swapper's
   ``peak_held_bytes``, which includes the reader's windows) is <= 2 sub-groups' worth; the same counter
@@ -107,6 +108,25 @@ def _checks(root: str) -> dict:
             out["load_held"] = sw.peak_held_bytes
         resumed[name] = _train(engine, 2, 2)
     out["resumed"] = resumed
+    if world == 1:  # the layout before checksums (DCP's own files): read through DCP, a sub-group at a time
+        import torch.distributed.checkpoint as dcp
+
+        from microspeed.checkpoint import MANIFEST, Reader, read_manifest, read_tensor_index
+        from microspeed.checkpoint.layout import _write_bytes
+        from microspeed.checkpoint.manifest import pack
+
+        tag = os.path.join(ckpt, "nvme")
+        manifest = read_manifest(tag)
+        reader = Reader(tag, read_tensor_index(tag), manifest)
+        tensors = {k: reader.fresh(k) for k in reader.metadata.state_dict_metadata}
+        reader.run(no_dist=True)
+        os.makedirs(os.path.join(ckpt, "legacy"))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(os.path.join(ckpt, "legacy")), no_dist=True)
+        del manifest["tensor_files"]
+        _write_bytes(os.path.join(ckpt, "legacy", MANIFEST), pack(manifest))
+        engine = _engine(os.path.join(root, f"swap{world}_legacy"))
+        engine.load_checkpoint(ckpt, tag="legacy")
+        out["resumed_legacy"] = _train(engine, 2, 2)
 
     plain = _engine(None)
     _train(plain, 2, 0)
@@ -161,7 +181,9 @@ def test_round_trip_resumes_as_uninterrupted(results):
     for rank, r in enumerate(results):
         assert r["published_at_return"], rank
         assert _equal(r["saving"], r["reference"]), (rank, r["saving"], r["reference"])
-        for name, losses in r["resumed"].items():
+        legacy = {"legacy": r["resumed_legacy"]} if "resumed_legacy" in r else {}
+        assert legacy or len(results) > 1, "the 1-rank run loads the layout before checksums too"
+        for name, losses in {**r["resumed"], **legacy}.items():
             assert _equal(losses, r["reference"][2:]), (rank, name, losses, r["reference"][2:])
 
 
