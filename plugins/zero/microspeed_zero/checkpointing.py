@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from microspeed.plugin_api import CheckpointError, CheckpointWarning, TensorRef, flat_shard
 from microspeed.plugin_api import split_tensor_refs as split
+from microspeed_zero.aio import aligned_empty
 
 
 def _sharded(rt: Any, seg: Any, i: int, local: torch.Tensor) -> Any:
@@ -70,21 +71,32 @@ class FilePiece:
 def module_tensors(rt: Any, saving: bool = False) -> dict[str, Any] | None:
     """Stage 3: the module's state dict with each parameter as this rank's shard; stages 1, 2: ``None``.
 
-    ``saving``: a shard kept in its file (``offload_param: nvme``) is a :class:`FilePiece`, read as it is written;
-    else (loading) it is read in whole, filled, and written back after the load (``refresh_persistent``).
+    A shard kept in its file (``offload_param: nvme``) is, when ``saving``, a :class:`FilePiece` read as it is
+    written; when loading with an optimizer, a piece of nothing (the core reads nothing into it) and the segment
+    is *deferred*: :func:`load_optimizer` fills the deferred shards one at a time (:func:`_load_deferred_shards`).
+    Without an optimizer (that hook is not called) such a shard is read in whole, filled, and written back after
+    the load (``refresh_persistent``).
     """
     if rt.stage3 is None:
         rt.wait_gathers()
         return None
     s3 = rt.stage3
     s3.wait_all()
+    s3.deferred = set()
 
-    def local(seg: Any) -> Any:
-        if saving and s3.in_file(seg.index):
-            return FilePiece(s3.store, f"shard{seg.index}", seg.dtype, 0, seg.shard_size)
-        return s3.local_shard(seg.index)
+    def sharded_param(seg: Any, i: int) -> Any:
+        if s3.in_file(seg.index):
+            if saving:
+                return _sharded(rt, seg, i, FilePiece(s3.store, f"shard{seg.index}", seg.dtype, 0, seg.shard_size))
+            if rt.optimizer is not None and rt.engine.optimizer is not None:  # load_optimizer will be called
+                s3.deferred.add(seg.index)
+                p = seg.params[i]
+                world = dist.get_world_size() if dist.is_initialized() else 1
+                return flat_shard(torch.empty(0, dtype=seg.dtype), getattr(p, "ds_shape", tuple(p.shape)),
+                                  [[] for _ in range(world)], seg.global_rank(seg.rank))
+        return _sharded(rt, seg, i, s3.local_shard(seg.index))
 
-    sharded = {id(p): _sharded(rt, seg, i, local(seg)) for seg, i, p in _params(rt)}
+    sharded = {id(p): sharded_param(seg, i) for seg, i, p in _params(rt)}
     by_name = dict(rt.engine.module.named_parameters(remove_duplicate=False))
     out = {}
     for k, v in rt.engine.module.state_dict(keep_vars=True).items():
@@ -194,6 +206,8 @@ def load_optimizer(rt: Any, saved: dict[str, Any] | None, reader: Any, load_stat
                    after: list[Any]) -> bool:
     """Read masters (always) and, with ``load_states``, the partitioned optimizer state, into this rank's pieces."""
     opt = rt.optimizer
+    if rt.stage3 is not None and rt.stage3.deferred:
+        after.append(lambda: _load_deferred_shards(rt, reader))
     if rt.swapper is not None:  # NVMe: a sub-group at a time, in a slot, written back
         return _load_streamed(rt, saved, reader, load_states, strict, after)
     manifest = reader.manifest
@@ -383,3 +397,31 @@ def _load_streamed(rt: Any, saved: dict[str, Any] | None, reader: Any, load_stat
     if load_states:
         after.append(lambda: _apply_groups(opt, saved))
     return True
+
+
+def _load_deferred_shards(rt: Any, reader: Any) -> None:
+    """Fill the file-resident stage-3 shards :func:`module_tensors` deferred, one segment at a time: read the shard,
+    read the module's tensors into its parameters' pieces (``reader.read_now``, keys chosen as the core's module
+    load chooses them), write it back. Holds one shard, not the partition."""
+    s3 = rt.stage3
+    manifest = reader.manifest.get("model", {})
+    saved_keys, aliases = set(manifest.get("keys", [])), manifest.get("aliases", {})
+    for index in sorted(s3.deferred):
+        seg = s3.segments[index]
+        targets = []
+        buf = aligned_empty(seg.shard_size, seg.dtype, s3.pin)
+        for i, p in enumerate(seg.params):
+            fqn = rt.names[id(p)]
+            if fqn not in saved_keys or seg.param_range(i, seg.rank) is None:
+                continue  # not in the checkpoint (a non-strict load): the file keeps it
+            src = aliases.get(fqn, fqn)
+            key = f"master/{src}" if seg.dtype == torch.float32 and reader.has(f"master/{src}") else f"model/{src}"
+            targets.append((key, _sharded(rt, seg, i, buf), f"parameter {fqn}"))
+        if not targets:
+            continue
+        s3.store.read(f"shard{index}", buf)
+        s3.note_loaded(buf.nbytes)
+        reader.read_now(targets)
+        s3.store.write(f"shard{index}", buf)
+        del buf
+    s3.deferred = set()

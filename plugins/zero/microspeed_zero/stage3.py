@@ -154,6 +154,10 @@ class ParameterPartitioner:
         self.store: Any = None  # offload_param nvme: shards beyond max_in_cpu live in files
         self.in_files: set[int] = set()
         self.loaded: dict[int, torch.Tensor] = {}  # file-resident shards read in whole (user reads, checkpoints)
+        self.peak_loaded_bytes = 0
+        """The most bytes of file-resident shards held whole at once so far (:meth:`local_shard`, checkpoint
+        loads one segment at a time: :meth:`note_loaded`); reset it to measure a span."""
+        self.deferred: set[int] = set()  # file-resident shards a checkpoint load fills one at a time (checkpointing)
         self.kept = 0  # elements of non-persistent shards kept in memory (at most offload_param.max_in_cpu)
         # CPU without offload: large segments' flat buffers on pages of their own, released without resizing
         self.pages: dict[int, ReleasablePages] = {}
@@ -294,7 +298,12 @@ class ParameterPartitioner:
             seg = self.segments[index]
             buf = aligned_empty(seg.shard_size, seg.dtype, self.pin)  # page-aligned: O_DIRECT
             self.loaded[index] = self.store.read(f"shard{index}", buf)
+            self.note_loaded(sum(t.nbytes for t in self.loaded.values()))
         return self.loaded[index]
+
+    def note_loaded(self, nbytes: int) -> None:
+        """Record that ``nbytes`` of file-resident shards are held whole (for :attr:`peak_loaded_bytes`)."""
+        self.peak_loaded_bytes = max(self.peak_loaded_bytes, int(nbytes))
 
     def _set_status(self, seg: Segment, state: int) -> None:
         self.status[seg.index] = state
