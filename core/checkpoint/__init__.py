@@ -49,7 +49,8 @@ checkpoints written before checksums existed (DCP's per-tensor files) load unver
 **Asynchronous and periodic saves.** With ``"checkpoint": {"async_save": true}`` a save blocks only
 while this rank's tensors are copied into a CPU staging buffer; a thread writes them
 (:mod:`~microspeed.checkpoint.background`), and the next save, ``load_checkpoint``,
-``engine.wait_for_checkpoint()`` or the end of the process waits for it. ``save_interval_steps`` with
+``engine.wait_for_checkpoint()`` or the end of the process waits for it (a save holding on-demand pieces —
+state a plugin keeps in files — is synchronous: they are read as the file is written). ``save_interval_steps`` with
 ``save_dir`` saves every N steps.
 
 **Other topologies.** Tensors are full and named, so a checkpoint written by N ranks loads on M.
