@@ -143,7 +143,8 @@ def zero_section() -> Section:
                                     "\"500MB\") this rank's process may hold at its peak; initialize() refuses a "
                                     "config whose predicted peak RSS exceeds it, each step warns if the measured "
                                     "peak (VmHWM) does; \"auto\": with offload_optimizer or offload_param, 80 % of "
-                                    "RAM over the node's ranks, else no check; none: no check"),
+                                    "RAM (or of the cgroup's memory limit, if lower) over the node's ranks, else no "
+                                    "check; none: no check"),
         "leaf_module": Section({
             "classes": Field((list,), [], "class names (or qualified names) of leaf modules"),
             "names": Field((list,), [], "module names (as in named_modules) to make leaves"),
@@ -198,6 +199,7 @@ class ZeroConfig:
     notices: tuple[str, ...] = ()
     aio: AioConfig = AioConfig()
     host_memory_budget: int | None = None
+    host_memory_budget_auto: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> ZeroConfig:
@@ -256,7 +258,7 @@ class ZeroConfig:
                 raise ConfigError(f"{exc} (e.g. \"host_memory_budget\": \"8GiB\"; null for no check)") \
                     from None
         return cls(
-            host_memory_budget=budget,
+            host_memory_budget=budget, host_memory_budget_auto=z.get("host_memory_budget") == "auto",
             stage=stage, contiguous_gradients=z["contiguous_gradients"], overlap_comm=z["overlap_comm"],
             reduce_scatter=z["reduce_scatter"], reduce_bucket_size=int(z["reduce_bucket_size"]),
             allgather_bucket_size=int(z["allgather_bucket_size"]), sub_group_size=int(z["sub_group_size"]),

@@ -54,8 +54,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AUTO_FRACTION", "BASELINE", "RUNTIME", "RssPrediction", "activation_bytes", "check_budget",
-           "default_budget", "measured_peak", "parse_bytes", "predict_for_config", "predict_peak_rss"]
+__all__ = ["AUTO_FRACTION", "BASELINE", "RUNTIME", "RssPrediction", "activation_bytes", "cgroup_memory_limit",
+           "check_budget", "default_budget",
+           "default_budget_origin", "measured_peak", "parse_bytes", "predict_for_config", "predict_peak_rss"]
 
 MIB = 1 << 20
 
@@ -383,16 +384,73 @@ AUTO_FRACTION = 0.8
 """``host_memory_budget: "auto"`` (the default) with offloading: this share of the machine's RAM, over its ranks."""
 
 
-def default_budget() -> int | None:
-    """The ``"auto"`` budget of one rank: :data:`AUTO_FRACTION` of ``MemTotal`` over ``LOCAL_WORLD_SIZE`` (1 if unset);
-    ``None`` where ``/proc/meminfo`` cannot be read (no check)."""
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """The tightest memory limit of this process's cgroup and its ancestors, in bytes; ``None`` if unlimited.
+
+    cgroup v2 (``0::<path>``: ``memory.max``) and v1 (the ``memory`` controller's line:
+    ``memory.limit_in_bytes``, where a value near 2**63 means no limit). A container or a ``systemd-run -p
+    MemoryMax=`` scope kills a process at this limit whatever the machine's RAM.
+    """
+    try:
+        with open(proc_cgroup) as fh:
+            lines = [line.rstrip("\n").split(":", 2) for line in fh]
+    except OSError:
+        return None
+    limits = []
+    for fields in lines:
+        if len(fields) != 3:
+            continue
+        _hid, controllers, path = fields
+        if controllers == "":
+            base, name = root if os.path.exists(os.path.join(root, "cgroup.controllers")) \
+                else os.path.join(root, "unified"), "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = os.path.join(root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [x for x in path.split("/") if x]
+        for depth in range(len(parts), -1, -1):
+            try:
+                with open(os.path.join(base, *parts[:depth], name)) as fh:
+                    raw = fh.read().strip()
+            except OSError:
+                continue
+            if raw.isdigit() and int(raw) < 1 << 60:
+                limits.append(int(raw))
+    return min(limits) if limits else None
+
+
+def _auto_basis() -> tuple[int, str, int] | None:
+    """``(bytes, what they are, local ranks)`` behind the ``"auto"`` budget; ``None`` without ``/proc/meminfo``."""
     try:
         with open("/proc/meminfo") as fh:
             total = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemTotal:"))
     except (OSError, StopIteration, ValueError):
         return None
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return int(AUTO_FRACTION * total / local)
+    what = "MemTotal"
+    limit = cgroup_memory_limit()
+    if limit is not None and limit < total:
+        total, what = limit, "the cgroup's memory limit"
+    return total, what, max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+
+
+def default_budget() -> int | None:
+    """The ``"auto"`` budget of one rank: :data:`AUTO_FRACTION` of the memory this process may use over
+    ``LOCAL_WORLD_SIZE`` (1 if unset): ``MemTotal``, or its cgroup's limit where that is lower
+    (:func:`cgroup_memory_limit`); ``None`` where ``/proc/meminfo`` cannot be read (no check)."""
+    basis = _auto_basis()
+    return None if basis is None else int(AUTO_FRACTION * basis[0] / basis[2])
+
+
+def default_budget_origin() -> str:
+    """How the ``"auto"`` budget was reached, for messages: e.g. ``80 % of the cgroup's memory limit 4.00 GiB over
+    1 local rank(s)``."""
+    from microspeed_zero.estimator import format_bytes
+
+    basis = _auto_basis()
+    if basis is None:
+        return "no /proc/meminfo"
+    return f"{AUTO_FRACTION:.0%} of {basis[1]} {format_bytes(basis[0])} over {basis[2]} local rank(s)"
 
 
 def parse_bytes(value: Any, key: str = "zero_optimization.host_memory_budget") -> int:

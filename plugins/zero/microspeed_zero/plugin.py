@@ -295,7 +295,12 @@ def _check_host_memory(engine: Any, rt: ZeroRuntime, optimizer: Any, budget: int
         sub_group_size=cfg.sub_group_size, buffer_count=cfg.buffer_count, reduce_bucket_size=cfg.reduce_bucket_size,
         max_live_parameters=cfg.max_live_parameters, prefetch_bucket_size=cfg.prefetch_bucket_size,
         max_in_cpu=cfg.max_in_cpu, grad_accum_fp32=rt.accumulate_fp32)
-    refusal = check_budget(pred, budget)
+    key = "zero_optimization.host_memory_budget"
+    if cfg.host_memory_budget_auto:
+        from microspeed_zero.peak_rss import default_budget_origin
+
+        key += f' ("auto": {default_budget_origin()})'
+    refusal = check_budget(pred, budget, key)
     if refusal is not None:
         raise ConfigError(refusal)
     return pred

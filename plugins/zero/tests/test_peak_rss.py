@@ -95,13 +95,51 @@ def test_auto_budget_holds_offloaded_runs_to_the_machines_ram(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with open("/proc/meminfo") as fh:
         total = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("MemTotal:"))
+    total = min(total, peak_rss.cgroup_memory_limit() or total)
     cpu = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     assert budget(cpu) == int(0.8 * total / 4)
     assert budget({"stage": 2}) is None and budget({**cpu, "host_memory_budget": None}) is None
     monkeypatch.setattr(peak_rss, "AUTO_FRACTION", 1e-6)  # a machine far too small for this model: refused at once
     model = GPT(GPTConfig(vocab_size=4000, d_model=128, n_layer=2, n_head=4, seq_len=16, tie_weights=False))
-    with pytest.raises(ConfigError, match=r"zero_optimization.host_memory_budget = .*predicted peak RSS"):
+    with pytest.raises(ConfigError, match=r'zero_optimization.host_memory_budget \("auto": .* over 4 local rank\(s\)\) '
+                                          r'= .*predicted peak RSS'):
         microspeed.initialize(model=model, config=_config(cpu))
+
+
+def _fake_cgroups(tmp_path, proc: str, files: dict[str, str]) -> tuple[str, str]:
+    for rel, value in files.items():
+        os.makedirs(os.path.dirname(tmp_path / "fs" / rel), exist_ok=True)
+        (tmp_path / "fs" / rel).write_text(value + "\n")
+    (tmp_path / "cgroup").write_text(proc)
+    return str(tmp_path / "cgroup"), str(tmp_path / "fs")
+
+
+def test_cgroup_limit_v1_and_v2_the_tightest_ancestor_wins(tmp_path):
+    unlimited = str(2**63 - 4096)
+    v1 = _fake_cgroups(tmp_path / "v1", "4:memory:/jobs/run7\n1:cpu:/\n0::/\n", {
+        "memory/memory.limit_in_bytes": unlimited, "memory/jobs/memory.limit_in_bytes": str(6 << 30),
+        "memory/jobs/run7/memory.limit_in_bytes": str(4 << 30)})
+    assert peak_rss.cgroup_memory_limit(*v1) == 4 << 30
+    v2 = _fake_cgroups(tmp_path / "v2", "0::/user.slice/train.scope\n", {
+        "cgroup.controllers": "memory", "user.slice/memory.max": str(3 << 30),
+        "user.slice/train.scope/memory.max": "max"})
+    assert peak_rss.cgroup_memory_limit(*v2) == 3 << 30
+    none = _fake_cgroups(tmp_path / "none", "0::/\n", {"cgroup.controllers": "memory", "memory.max": "max"})
+    assert peak_rss.cgroup_memory_limit(*none) is None
+    assert peak_rss.cgroup_memory_limit(str(tmp_path / "missing"), str(tmp_path)) is None
+
+
+def test_auto_budget_takes_a_cgroup_limit_below_the_ram(monkeypatch):
+    """In a 2 GiB container the "auto" budget is 80 % of 2 GiB, not of the machine: a config that would be
+    OOM-killed there is refused at initialize() instead."""
+    monkeypatch.setattr(peak_rss, "cgroup_memory_limit", lambda: 2 << 30)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert peak_rss.default_budget() == int(0.8 * (2 << 30))
+    monkeypatch.setattr(peak_rss, "cgroup_memory_limit", lambda: 64 << 20)
+    model = GPT(GPTConfig(vocab_size=4000, d_model=128, n_layer=2, n_head=4, seq_len=16, tie_weights=False))
+    with pytest.raises(ConfigError, match=r'zero_optimization.host_memory_budget \("auto": 80% of the cgroup\'s '
+                                          r'memory limit 64.0 MiB over 1 local rank\(s\)\) = .*predicted peak RSS'):
+        microspeed.initialize(model=model, config=_config({"stage": 2, "offload_optimizer": {"device": "cpu"}}))
 
 
 @pytest.mark.parametrize(("value", "match"), [("8 parsecs", "is not a size"), (-5, "positive"), (True, "got True")])
