@@ -100,6 +100,16 @@ class PartitionedReduce:
         """Whether :meth:`start` needs an output buffer."""
         return self.mode != "all_reduce"
 
+    @property
+    def column_wise(self) -> bool:
+        """Whether a wire of ``world`` rows may be reduced in column chunks (``world x c`` wires, each row chunk a
+        piece of one rank's slice): true for gloo's ``all_to_all_single``, which moves each row to its rank."""
+        return self.mode == "all_to_all"
+
+    def out_numel(self, numel: int) -> int:
+        """Elements of the output buffer :meth:`start` needs for a wire of ``numel`` elements."""
+        return numel // self.world if self.mode == "reduce_scatter" else numel
+
     def start(self, wire: torch.Tensor, out: torch.Tensor | None, key: Any = None) -> Any:
         """Launch the reduction of ``wire`` asynchronously (``key``: which segment; unused here)."""
         if self.mode == "all_to_all":
@@ -151,6 +161,11 @@ class CompressedPartitionedReduce:
     def needs_out(self) -> bool:
         """Whether :meth:`start` needs an output buffer (compressed: yes, the reducer then sums :meth:`rows`)."""
         return self.exact.needs_out or self.compressing()
+
+    def out_numel(self, numel: int) -> int:
+        """Elements of the output buffer of a wire of ``numel`` (the exact collective's; a compressed step has its
+        own receive buffer)."""
+        return self.exact.out_numel(numel)
 
     def layout(self, segment: Any, numel: int) -> _Layout:
         """Where each value of a wire of ``numel`` values goes in the compressed chunks (built once per segment)."""

@@ -14,9 +14,12 @@ the code:
   the gradients (stage 1: whole, in the accumulation dtype; stages 2, 3: this rank's partition; none with the
   optimizer on NVMe, whose files hold them), fp32 masters (mixed precision) and the optimizer's fp32 state
   tensors (in memory unless the optimizer is on NVMe);
-* ``buffers``: the reducer's pool (stage 1: one receive buffer per segment, as large as the segment; stages 2, 3:
-  a staging and a receive buffer per distinct segment size, kept for the run — the receive one only on more
-  than one rank), the NVMe optimizer swapper's slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
+* ``buffers``: the reducer's pool, kept for the run: the buffers of the reductions in flight at once (two), each
+  as large as the largest wire — a segment padded to the ranks, or a column chunk of at most
+  ``reduce_bucket_size`` and ``2**22`` values for a larger one — and per reduction a receive buffer (on more
+  than one rank) plus, stages 2 and 3, a staging one (stage 1 stages only column chunks: its accumulator is the
+  wire); none on one rank, where the gradients are added to the partition as they are. Then the NVMe optimizer
+  swapper's slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
   tensors, :meth:`~microspeed_zero.swap.OptimizerSwapper.budget_bytes` — resident as touched, so with no more
   sub-groups than slots the partition's elements once) and the gradient swapper's (its step slots likewise, one
   fp32 sub-group, the norm chunk, and the segment buffers in use at once: one of the largest slice, two with
@@ -73,6 +76,8 @@ _STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1}
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _NORM_CHUNK = 1 << 20  # grad_swap.NORM_CHUNK
 _SWAP_BUFFERS = 4  # grad_swap.BUFFERS
+_IN_FLIGHT = 2  # reduce.MAX_IN_FLIGHT
+_CHUNK = 1 << 22  # reduce.CHUNK_NUMEL
 
 
 @dataclass(frozen=True)
@@ -285,13 +290,16 @@ def predict_peak_rss(
 
     # buffers
     buffers = 0
-    sizes = sorted(set(math.ceil(s / N) * N for s in segments))
-    if stage == 0:
-        pass
-    elif stage == 1:
-        buffers += g * sum(math.ceil(s / N) * N for s in segments) if N > 1 else 0
-    else:
-        buffers += p * sum(sizes) * (2 if N > 1 else 1)
+    if stage and N > 1:
+        bucket = min(int(reduce_bucket_size), _CHUNK)
+        width = max(1, bucket // N)
+        width -= width % 64 if width >= 64 else 0
+        padded = [math.ceil(s / N) * N for s in segments]
+        chunked = [x for x in padded if x > bucket]
+        wires = [x for x in padded if x <= bucket] + ([N * width] if chunked else [])
+        reductions = sum(1 for x in padded if x <= bucket) + sum(math.ceil(x / N / width) for x in chunked)
+        per = 2 if stage >= 2 or chunked else 1  # staging + receive; stage 1 reduces its accumulator in place
+        buffers += (p if stage >= 2 else g) * max(wires, default=0) * per * min(_IN_FLIGHT, reductions)
     if nvme_opt:
         n_sg = max(1, math.ceil(share / int(sub_group_size)))
         widest = min(int(sub_group_size), share)

@@ -189,7 +189,8 @@ class ZeroRuntime:
         compression = (codec, codec.attach(self.optimizer.inner)) if codec and codec.accepts(optimizer) else None
         self.reducer = GradientReducer(self.segments, 1 if self.stage == 1 else 2, self.scaling,
                                        self.acc, self.wire_dtype, self.cfg.reduce_scatter,
-                                       self.cfg.contiguous_gradients, compression)
+                                       self.cfg.contiguous_gradients, compression,
+                                       bucket_numel=int(self.cfg.reduce_bucket_size))
         if self.stage3 is not None:
             self.reducer.on_reduced = self.stage3.after_reduced
         self._install_grad_hooks()
