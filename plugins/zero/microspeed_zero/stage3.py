@@ -23,11 +23,8 @@ placeholder (``p.ds_shape`` / ``p.ds_numel`` give its real shape); the rank keep
   pass into the next pass's recorded order (within the same budgets), and a segment the next pass uses
   within ``stage3_max_reuse_distance`` elements stays gathered instead of being released and gathered
   again (the last layers of a forward are the first of its backward), as long as at most
-  ``stage3_max_live_parameters`` elements stay gathered. Nothing stays gathered over an optimizer step;
-  at its end (with ``overlap_comm``, in plain data-parallel training) the next forward's first segments
-  are gathered from the updated shards asynchronously, within the same budgets, so that forward does not
-  start by waiting (the 45M GPT on 2 ranks: stage 3 1.13x DDP's step before, 0.97x with it).
-  :attr:`ParameterPartitioner.stats` counts gathers.
+  ``stage3_max_live_parameters`` elements stay gathered. Nothing stays gathered over an optimizer step
+  (its first forward gathers the updated parameters). :attr:`ParameterPartitioner.stats` counts gathers.
 
 With ``offload_param.device = "nvme"`` a shard beyond the first ``offload_param.max_in_cpu`` elements is
 written to a file as soon as its module is partitioned (the model is never held whole), read for each gather
@@ -655,8 +652,6 @@ class ParameterPartitioner:
             self._wait_piece()
         for seg in self.segments:
             self.release(seg.index)
-        if self.cfg.overlap_comm and self.plan is None and not self.chunk_orders and self.order:
-            self._prefetch(self.order)  # the next forward's first segments, gathered behind whatever comes first
 
     def after_step(self, seg: Segment) -> None:
         """A segment's shard was updated: refresh persistent segments' whole copy (lazily waited); write

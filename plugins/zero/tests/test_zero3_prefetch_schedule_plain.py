@@ -5,11 +5,9 @@ inside the accumulation window by the next micro-step's forward: ZeRO-3 keeps wh
 first and prefetches the rest within its budgets. Counted with the partitioner's ``stats`` per step, against
 the same run with prefetching and keeping off (``stage3_max_live_parameters: 1``, which gathers every
 segment once per pass, as before): losses bit-identical, all-gathers per step never more (each segment
-gathered once per step with the default budgets), synchronous gathers down from one per pass to none (the
-optimizer step launches the next forward's first gathers behind it; with ``overlap_comm: false`` it does
-not, and the first forward after the step waits for one), and at most ``stage3_max_live_parameters``
-elements gathered at once. A step's counts include what its end prefetched for the next step (the first
-step's, the order being recorded then, exceed the steady ones by that).
+gathered once per step with the default budgets), synchronous gathers down from one per pass to one per
+step (the first forward after the optimizer step), and at most ``stage3_max_live_parameters`` elements
+gathered at once.
 """
 
 from __future__ import annotations
@@ -53,22 +51,15 @@ def _train(runs: list[tuple[str, dict]]) -> dict:
 
 @pytest.mark.slow
 def test_zero3_prefetch_across_passes_dp2():
-    runs = [("on", {}), ("off", OFF), ("tight", {"stage3_max_live_parameters": TIGHT}),
-            ("serial", {"overlap_comm": False})]
+    runs = [("on", {}), ("off", OFF), ("tight", {"stage3_max_live_parameters": TIGHT})]
     for rank, res in enumerate(run_distributed(_train, world_size=2, args=(runs,), timeout=180)):
-        on, off, tight, serial = res["on"], res["off"], res["tight"], res["serial"]
-        assert on["losses"] == off["losses"] == tight["losses"] == serial["losses"], rank
-        ahead = TIGHT // SEGMENT  # what the end of a step prefetches for the next one under the tight budget
-        for step, (now, old, lean, ser) in enumerate(zip(on["steps"], off["steps"], tight["steps"], serial["steps"],
-                                                         strict=True)):
+        on, off, tight = res["on"], res["off"], res["tight"]
+        assert on["losses"] == off["losses"] == tight["losses"], rank
+        for step, (now, old, lean) in enumerate(zip(on["steps"], off["steps"], tight["steps"], strict=True)):
             assert old["sync"] == old["gathers"] == 2 * GAS * LAYERS, (rank, old)  # every pass gathers all
             assert now["gathers"] <= old["gathers"], (rank, now)
-            if step:  # steady state (the first step records the order): each segment gathered once, no wait
-                assert now["gathers"] == ser["gathers"] == LAYERS and now["sync"] == 0, (rank, now)
-                assert ser["sync"] == 1, (rank, ser)  # no prefetch behind the step: the first forward waits once
+            if step:  # steady state (the first step records the order): each segment gathered once, one wait
+                assert now["gathers"] == LAYERS and now["sync"] <= 1, (rank, now)
             assert old["peak_live"] <= lean["peak_live"] <= TIGHT < now["peak_live"], (rank, lean, old, now)
-            assert lean["gathers"] <= old["gathers"] + (0 if step else ahead), (rank, lean, old)
-            assert lean["sync"] < old["sync"], (rank, lean, old)
-        # after the last step the next forward's first segments are in flight, within the live budget
-        assert (on["live_after"], tight["live_after"]) == (LAYERS * SEGMENT, TIGHT), rank
-        assert off["live_after"] == serial["live_after"] == 0, rank
+            assert lean["gathers"] <= old["gathers"] and lean["sync"] < old["sync"], (rank, lean, old)
+        assert on["live_after"] == off["live_after"] == tight["live_after"] == 0, rank
