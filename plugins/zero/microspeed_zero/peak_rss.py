@@ -15,10 +15,11 @@ the code:
   optimizer on NVMe, whose files hold them), fp32 masters (mixed precision) and the optimizer's fp32 state
   tensors (in memory unless the optimizer is on NVMe);
 * ``buffers``: the reducer's pool, kept for the run: the buffers of the reductions in flight at once (two), each
-  as large as the largest wire — a segment padded to the ranks, or a column chunk of at most
-  ``reduce_bucket_size`` and ``2**22`` values for a larger one — and per reduction a receive buffer (on more
-  than one rank) plus, stages 2 and 3, a staging one (stage 1 stages only column chunks: its accumulator is the
-  wire); none on one rank, where the gradients are added to the partition as they are. Then the NVMe optimizer
+  as large as the largest wire — stage 1: a receive buffer per reduction, as large as the largest segment padded
+  to the ranks (its accumulator is the wire); stages 2, 3: a staging and a receive buffer, as large as the
+  largest segment or, for a larger one, a column chunk of at most ``reduce_bucket_size`` and ``2**23`` values
+  (as few chunks as fit, of even widths); none on one rank, where the gradients are added to the partition as
+  they are. Then the NVMe optimizer
   swapper's slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
   tensors, :meth:`~microspeed_zero.swap.OptimizerSwapper.budget_bytes` — resident as touched, so with no more
   sub-groups than slots the partition's elements once) and the gradient swapper's (its step slots likewise, one
@@ -77,7 +78,7 @@ _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _NORM_CHUNK = 1 << 20  # grad_swap.NORM_CHUNK
 _SWAP_BUFFERS = 4  # grad_swap.BUFFERS
 _IN_FLIGHT = 2  # reduce.MAX_IN_FLIGHT
-_CHUNK = 1 << 22  # reduce.CHUNK_NUMEL
+_CHUNK = 1 << 23  # reduce.CHUNK_NUMEL
 
 
 @dataclass(frozen=True)
@@ -290,16 +291,19 @@ def predict_peak_rss(
 
     # buffers
     buffers = 0
-    if stage and N > 1:
+    if stage == 1 and N > 1:  # the accumulator is the wire: a receive buffer per reduction, segments whole
+        buffers += g * max((math.ceil(s / N) * N for s in segments), default=0) * min(_IN_FLIGHT, len(segments))
+    elif stage >= 2 and N > 1:  # staging + receive per reduction, a larger segment in column chunks
         bucket = min(int(reduce_bucket_size), _CHUNK)
-        width = max(1, bucket // N)
-        width -= width % 64 if width >= 64 else 0
         padded = [math.ceil(s / N) * N for s in segments]
-        chunked = [x for x in padded if x > bucket]
-        wires = [x for x in padded if x <= bucket] + ([N * width] if chunked else [])
-        reductions = sum(1 for x in padded if x <= bucket) + sum(math.ceil(x / N / width) for x in chunked)
-        per = 2 if stage >= 2 or chunked else 1  # staging + receive; stage 1 reduces its accumulator in place
-        buffers += (p if stage >= 2 else g) * max(wires, default=0) * per * min(_IN_FLIGHT, reductions)
+        wires, reductions = [], 0
+        for x in padded:
+            chunks = math.ceil(x / bucket)
+            width = math.ceil(x / N / chunks)
+            width = math.ceil(width / 64) * 64 if width >= 64 and chunks > 1 else width
+            wires.append(N * width if chunks > 1 else x)
+            reductions += math.ceil(x / N / width) if chunks > 1 else 1
+        buffers += p * max(wires, default=0) * 2 * min(_IN_FLIGHT, reductions)
     if nvme_opt:
         n_sg = max(1, math.ceil(share / int(sub_group_size)))
         widest = min(int(sub_group_size), share)

@@ -10,11 +10,13 @@
   asynchronously; the rank's slice of the result is added to its gradient partition. At most
   two buckets are in flight, so gradient memory stays a partition plus two buckets.
 * **A segment larger than** ``reduce_bucket_size`` or :data:`CHUNK_NUMEL` (one parameter larger than
-  the bucket, such as a token embedding, or a stage-3 module) is reduced in column chunks where the
-  collective allows it (gloo's ``all_to_all_single``): chunk ``k`` carries elements ``[a, b)`` of every
-  rank's slice, copied straight from the gradients into a buffer of ``world * (b - a)`` values, at
-  most the smaller of the two, so the buffers never hold a whole embedding's gradient twice. The
-  sums are the same, element by element and in the same order, as reducing the segment whole.
+  the bucket, such as a token embedding, or a stage-3 module) is reduced, at stages 2 and 3, in column
+  chunks where the collective allows it (gloo's ``all_to_all_single``): chunk ``k`` carries elements
+  ``[a, b)`` of every rank's slice, copied straight from the gradients into a buffer of
+  ``world * (b - a)`` values, at most the smaller of the two, so the buffers never hold a whole
+  embedding's gradient twice. The first chunk starts at once, one more at each following gradient
+  hook (backward computes meanwhile), all before the next segment's. The sums are the same, element
+  by element and in the same order, as reducing the segment whole.
   On one rank stages 2 and 3 add the gradients straight into the partition (nothing to exchange). With the optimizer on
   NVMe the partition itself is not in memory: the slice is read back (from the second micro-step of a
   window on, launched with the reduction), added to and written to the files
@@ -33,6 +35,7 @@ Scaling follows DeepSpeed's ``prescale_gradients`` / ``gradient_predivide_factor
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,9 +44,9 @@ from microspeed_zero.collectives import PartitionedReduce, partitioned_reduce
 from microspeed_zero.partition import Segment
 
 MAX_IN_FLIGHT = 2
-CHUNK_NUMEL = 1 << 22
+CHUNK_NUMEL = 1 << 23
 """The most values one reduction moves at once (``reduce_bucket_size`` bounds it too): a larger segment goes in
-column chunks (16 MiB of fp32), so the pool's buffers stay this size whatever the largest layer."""
+column chunks (32 MiB of fp32), so the pool's buffers stay about this size whatever the largest layer."""
 
 
 class Scaling:
@@ -113,11 +116,14 @@ class GradientReducer:
         self.gradients: Any = None  # optimizer on NVMe: the GradientSwapper holding the partitions in files
         self.by_param: dict[int, Segment] = {id(p): s for s in segments for p in s.params}
         self.held_slices: dict[int, torch.Tensor] = {}  # NVMe: a column-chunked segment's slice, acquired once
+        self.queued: deque[Any] = deque()  # column chunks of the segment being launched, started as slots free
 
     # -- autograd hook entry -----------------------------------------------------------------
 
     def grad_ready(self, param: torch.Tensor) -> None:
         """A parameter's gradient for this backward is complete; launch its segment when all are."""
+        if self.queued:
+            self._pump()
         seg = self.by_param.get(id(param))
         if seg is None or seg.index in self.launched:
             return
@@ -132,9 +138,11 @@ class GradientReducer:
         if self._adds_directly(seg):
             self._add_directly(seg)
             return
+        self._drain_queue()  # the chunks of an earlier segment first (bounds the gradients held unreduced)
         width = self._column_width(seg)
         if width:
-            self._launch_columns(seg, width)
+            self._queue_columns(seg, width)
+            self._pump()  # its first chunk now, the rest at the next gradient hooks
             return
         self._wait_below(MAX_IN_FLIGHT)
         pooled = None
@@ -162,6 +170,23 @@ class GradientReducer:
         while len(self.pending) >= n:
             self._finish(*self.pending.popleft())
 
+    def _pump(self) -> None:
+        """At a gradient hook while chunks are queued: finish the reductions that completed (oldest first; local
+        work only), then start exactly one queued chunk, waiting for a slot if none is free. One per hook, whatever
+        has completed, so every rank issues its collectives in the same order (backward goes on computing between
+        hooks while a large segment's chunks go out)."""
+        while self.pending and _completed(self.pending[0][2]):
+            self._finish(*self.pending.popleft())
+        if self.queued:
+            self._wait_below(MAX_IN_FLIGHT)
+            self.queued.popleft()()
+
+    def _drain_queue(self) -> None:
+        """Start every queued chunk, waiting for slots."""
+        while self.queued:
+            self._wait_below(MAX_IN_FLIGHT)
+            self.queued.popleft()()
+
     def _adds_directly(self, seg: Segment) -> bool:
         """Stages 2, 3 on one rank: nothing to exchange, so the gradients are added to the partition as they are
         (no staging buffer), where that is the same arithmetic (no pre-division, the wire in the gradients' dtype)."""
@@ -184,44 +209,46 @@ class GradientReducer:
 
     def _column_width(self, seg: Segment) -> int:
         """Columns per chunk when ``seg`` is reduced in column chunks, else 0 (it fits a bucket, or the collective
-        cannot: an all-reduce, or a compressed exchange, which lays out whole segments)."""
-        if (seg.world == 1 or seg.padded <= self.bucket_numel
+        cannot: an all-reduce, or a compressed exchange, which lays out whole segments; or stage 1, whose
+        accumulator is reduced in place, where chunks would add a copy of it and bound only the receive buffer)."""
+        if (self.stage == 1 or seg.world == 1 or seg.padded <= self.bucket_numel
                 or not getattr(self.collectives[id(seg.group)], "column_wise", False)):
             return 0
-        width = max(1, self.bucket_numel // seg.world)
-        return width - width % 64 if width >= 64 else width  # chunks start where whole slices' vector lanes do
+        chunks = -(-seg.padded // self.bucket_numel)  # as few as fit, of even widths
+        width = -(-seg.shard_size // chunks)
+        return -(-width // 64) * 64 if width >= 64 else width  # chunks start where whole slices' vector lanes do
 
-    def _launch_columns(self, seg: Segment, width: int) -> None:
-        """Reduce ``seg`` chunk by chunk: chunk ``[a, b)`` is columns ``a:b`` of every rank's slice, copied from
-        the gradients (stage 1: the accumulator) into a ``world x (b - a)`` buffer, reduced like a segment."""
+    def _queue_columns(self, seg: Segment, width: int) -> None:
+        """Queue ``seg``'s column chunks (stages 2, 3): chunk ``[a, b)`` is columns ``a:b`` of every rank's slice,
+        copied from the gradients into a ``world x (b - a)`` buffer when it starts, reduced like a segment; the
+        gradients are freed once the last chunk is staged."""
+        sources = [(off, n, None if p.grad is None else p.grad.reshape(-1))
+                   for off, n, p in zip(seg.offsets, seg.numels, seg.params, strict=True)]
+        dtype, device = self.wire_dtype or seg.dtype, seg.params[0].device
+        if self.gradients is not None and self.gradients.holds(seg.index):
+            self.gradients.prefetch(seg.index)
+        for a in range(0, seg.shard_size, width):
+            b = min(seg.shard_size, a + width)
+            self.queued.append(partial(self._start_columns, seg, sources, dtype, device, a, b))
+
+    def _start_columns(self, seg: Segment, sources: list, dtype: torch.dtype, device: torch.device, a: int,
+                       b: int) -> None:
+        """Stage and launch chunk ``[a, b)`` of ``seg`` (see :meth:`_queue_columns`)."""
         world, shard = seg.world, seg.shard_size
-        if self.stage == 1:
-            acc = self.acc[seg.index]
-            sources = [(0, acc.numel(), acc)]
-            dtype = self.wire_dtype or acc.dtype
-        else:
-            sources = [(off, n, None if p.grad is None else p.grad.reshape(-1))
-                       for off, n, p in zip(seg.offsets, seg.numels, seg.params, strict=True)]
-            dtype = self.wire_dtype or seg.dtype
-            if self.gradients is not None and self.gradients.holds(seg.index):
-                self.gradients.prefetch(seg.index)
-        device = seg.params[0].device if self.stage != 1 else self.acc[seg.index].device
+        wire = self.pool.get(world * (b - a), dtype, device)
+        rows = wire.view(world, b - a)
+        for q in range(world):
+            _copy_span(sources, q * shard + a, q * shard + b, rows[q])
+        if self.scaling.pre != 1.0:
+            wire.mul_(self.scaling.pre)
         collective = self.collectives[id(seg.group)]
-        for a in range(0, shard, width):
-            b = min(shard, a + width)
-            self._wait_below(MAX_IN_FLIGHT)
-            wire = self.pool.get(world * (b - a), dtype, device)
-            rows = wire.view(world, b - a)
-            for q in range(world):
-                _copy_span(sources, q * shard + a, q * shard + b, rows[q])
-            if self.scaling.pre != 1.0:
-                wire.mul_(self.scaling.pre)
-            out = self.pool.get(collective.out_numel(wire.numel()), dtype, device)
-            work = collective.start(wire, out, seg)
-            self.pending.append((seg, (wire, out, wire), work, (a, b)))
-        if self.stage != 1:
+        out = self.pool.get(collective.out_numel(wire.numel()), dtype, device)
+        work = collective.start(wire, out, seg)
+        self.pending.append((seg, (wire, out, wire), work, (a, b)))
+        if b == shard:
             for p in seg.params:
                 p.grad = None
+            sources.clear()
             if self.on_reduced is not None:  # every chunk is staged: the parameters are not read again
                 self.on_reduced(seg)
 
@@ -290,15 +317,6 @@ class GradientReducer:
         a, b = columns
         rows = self.collectives[id(seg.group)].rows(wire, out, b - a)
         post = self.scaling.post
-        if self.stage == 1:
-            start, _ = seg.slice_of(seg.rank)
-            target = self.acc[seg.index][start + a:start + b]
-            target.copy_(rows[0])
-            for row in rows[1:]:
-                target.add_(row)
-            if post != 1.0:
-                target.mul_(post)
-            return
         files = self.gradients if self.gradients is not None and self.gradients.holds(seg.index) else None
         if files is None:
             whole = self.acc[seg.index]
@@ -320,6 +338,7 @@ class GradientReducer:
         for seg in self.segments:
             if seg.index not in self.launched and seg.trainable and (only is None or seg.index in only):
                 self.launch(seg)
+        self._drain_queue()
         self._wait_below(1)
         self.ready.clear()
         self.launched.clear()
@@ -342,3 +361,11 @@ def _copy_span(sources: list[tuple[int, int, torch.Tensor | None]], lo: int, hi:
         pos = e
     if pos < hi:
         dst[pos - lo:].zero_()
+
+
+def _completed(work: Any) -> bool:
+    """Whether ``work`` finished (asked without waiting; a work that cannot say counts as running)."""
+    if work is None:
+        return True
+    done = getattr(work, "is_completed", None)
+    return bool(done()) if done is not None else False

@@ -171,10 +171,11 @@ def test_big_nvme_config_prediction_terms():
     # one rank: no reducer pool (the gradients go straight into the partition), one gradient-swap buffer of the
     # largest slice (the 40.96M-element embedding)
     assert one.buffers == slots + grad_fixed + 2 * 40_960_000
-    # two ranks: the pool keeps the bf16 staging and receive buffers of two reductions in flight, each a column
-    # chunk of 2**22 values (every module but the layer norms and the position embedding is larger), and the
-    # gradient-swap buffer holds half the embedding
-    pool = 2 * 2 * 2 * 2**22
+    # two ranks: the pool keeps the bf16 staging and receive buffers of two reductions in flight, each as large as
+    # the largest column chunk (every module but the layer norms and the position embedding exceeds 2**23 values:
+    # the 40.96M-value embedding goes in 5 chunks of 2 x 4.096M), and the gradient-swap buffer holds half the
+    # embedding
+    pool = 2 * 2 * 2 * 8_192_000
     assert two.buffers == slots + grad_fixed + pool + 2 * 20_480_000
     assert one.total == predict_peak_rss(
         model, 1, 3, "nvme", "nvme", "bf16", "adamw", sub_group_size=10**8, buffer_count=2, max_in_cpu=0).total
