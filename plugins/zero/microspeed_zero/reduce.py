@@ -8,21 +8,22 @@
 * **Stages 2 and 3** reduce every micro-step: when a segment's gradients are all there, they are
   copied into a staging bucket, the parameters' ``.grad`` freed, and the bucket reduced
   asynchronously; the rank's slice of the result is added to its gradient partition. At most
-  two buckets are in flight, so gradient memory stays a partition plus two buckets.
+  two buckets are in flight, so gradient memory stays a partition plus two buckets. With the optimizer on
+  NVMe the partition itself is not in memory: the slice is read back (from the second micro-step of a
+  window on, launched with the reduction), added to and written to the files
+  (:class:`~microspeed_zero.grad_swap.GradientSwapper`). When a schedule
+  runs several chunks (an interleaved pipeline), the end of a chunk's backward reduces that chunk's
+  segments only (the runtime cuts segments within one chunk). On one rank the gradients are added
+  straight into the partition (nothing to exchange, no staging).
 * **A segment larger than** ``reduce_bucket_size`` or :data:`CHUNK_NUMEL` (one parameter larger than
   the bucket, such as a token embedding, or a stage-3 module) is reduced, at stages 2 and 3, in column
   chunks where the collective allows it (gloo's ``all_to_all_single``): chunk ``k`` carries elements
   ``[a, b)`` of every rank's slice, copied straight from the gradients into a buffer of
   ``world * (b - a)`` values, at most the smaller of the two, so the buffers never hold a whole
   embedding's gradient twice. The first chunk starts at once, one more at each following gradient
-  hook (backward computes meanwhile), all before the next segment's. The sums are the same, element
-  by element and in the same order, as reducing the segment whole.
-  On one rank stages 2 and 3 add the gradients straight into the partition (nothing to exchange). With the optimizer on
-  NVMe the partition itself is not in memory: the slice is read back (from the second micro-step of a
-  window on, launched with the reduction), added to and written to the files
-  (:class:`~microspeed_zero.grad_swap.GradientSwapper`). When a schedule
-  runs several chunks (an interleaved pipeline), the end of a chunk's backward reduces that chunk's
-  segments only (the runtime cuts segments within one chunk).
+  hook (backward computes meanwhile; one per hook whatever has completed, so every rank issues its
+  collectives in the same order), all before the next segment's. The sums are the same, element by
+  element and in the same order, as reducing the segment whole.
 
 The collective is chosen per backend (``reduce_scatter: true``,
 :class:`microspeed_zero.collectives.PartitionedReduce`): gloo ``all_to_all_single`` plus a local
@@ -63,7 +64,7 @@ class BufferPool:
     A request that no free buffer fits allocates one of exactly its size and drops the smallest free
     buffer, so the pool never keeps more buffers than were in use at once, each as large as the largest
     request it served (buffers keyed by exact size kept one set per distinct segment size: on the
-    45M-parameter GPT at stage 2 that was 232 MB, against 72 MB this way).
+    45M-parameter GPT at stage 2 on 4 ranks that was 232 MB, against about 72 MB this way).
     """
 
     def __init__(self) -> None:
@@ -116,7 +117,7 @@ class GradientReducer:
         self.gradients: Any = None  # optimizer on NVMe: the GradientSwapper holding the partitions in files
         self.by_param: dict[int, Segment] = {id(p): s for s in segments for p in s.params}
         self.held_slices: dict[int, torch.Tensor] = {}  # NVMe: a column-chunked segment's slice, acquired once
-        self.queued: deque[Any] = deque()  # column chunks of the segment being launched, started as slots free
+        self.queued: deque[Any] = deque()  # column chunks of the segment being launched, one per gradient hook
 
     # -- autograd hook entry -----------------------------------------------------------------
 
