@@ -19,8 +19,7 @@ the code:
   to the ranks (its accumulator is the wire); stages 2, 3: a staging and a receive buffer, as large as the
   largest segment or, for a larger one, a column chunk of at most ``reduce_bucket_size`` and ``2**23`` values
   (as few chunks as fit, of even widths); none on one rank, where the gradients are added to the partition as
-  they are. Then the NVMe optimizer
-  swapper's slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
+  they are. Then the NVMe optimizer swapper's slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
   tensors, :meth:`~microspeed_zero.swap.OptimizerSwapper.budget_bytes` — resident as touched, so with no more
   sub-groups than slots the partition's elements once) and the gradient swapper's (its step slots likewise, one
   fp32 sub-group, the norm chunk, and the segment buffers in use at once: one of the largest slice, two with

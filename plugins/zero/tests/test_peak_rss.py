@@ -156,6 +156,14 @@ def test_parse_bytes_units():
     assert parse_bytes(4096) == 4096
 
 
+def test_mirrored_constants_match_the_runtime():
+    """The prediction's copies of the reducer's and gradient swapper's sizes are the ones the runtime uses."""
+    from microspeed_zero import grad_swap, reduce
+
+    assert (peak_rss._IN_FLIGHT, peak_rss._CHUNK) == (reduce.MAX_IN_FLIGHT, reduce.CHUNK_NUMEL)
+    assert (peak_rss._SWAP_BUFFERS, peak_rss._NORM_CHUNK) == (grad_swap.BUFFERS, grad_swap.NORM_CHUNK)
+
+
 def test_big_nvme_config_prediction_terms():
     """The 2.4B GPT under ZeRO-3 NVMe (sub_group_size 1e8, buffer_count 2): slots, gradient buffers, step."""
     with torch.device("meta"):
