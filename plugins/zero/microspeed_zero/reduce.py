@@ -86,10 +86,6 @@ class BufferPool:
             base = buf._base if buf._base is not None else buf
             self.free.setdefault((base.dtype, str(base.device)), []).append(base)
 
-    def nbytes(self) -> int:
-        """Bytes of the free buffers the pool keeps."""
-        return sum(b.numel() * b.element_size() for free in self.free.values() for b in free)
-
 
 class GradientReducer:
     """Reduces segment gradients into each rank's partition; see the module docstring."""
