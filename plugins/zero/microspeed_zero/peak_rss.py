@@ -57,6 +57,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from microspeed_zero.chunking import MAX_IN_FLIGHT, chunk_cap, column_width
+
 __all__ = ["AUTO_FRACTION", "BASELINE", "RUNTIME", "RssPrediction", "activation_bytes", "cgroup_memory_limit",
            "check_budget", "default_budget",
            "default_budget_origin", "measured_peak", "parse_bytes", "predict_for_config", "predict_peak_rss"]
@@ -76,8 +78,6 @@ _STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1}
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _NORM_CHUNK = 1 << 20  # grad_swap.NORM_CHUNK
 _SWAP_BUFFERS = 4  # grad_swap.BUFFERS
-_IN_FLIGHT = 2  # reduce.MAX_IN_FLIGHT
-_CHUNK = 1 << 23  # reduce.CHUNK_NUMEL
 
 
 @dataclass(frozen=True)
@@ -291,18 +291,15 @@ def predict_peak_rss(
     # buffers
     buffers = 0
     if stage == 1 and N > 1:  # the accumulator is the wire: a receive buffer per reduction, segments whole
-        buffers += g * max((math.ceil(s / N) * N for s in segments), default=0) * min(_IN_FLIGHT, len(segments))
+        buffers += g * max((math.ceil(s / N) * N for s in segments), default=0) * min(MAX_IN_FLIGHT, len(segments))
     elif stage >= 2 and N > 1:  # staging + receive per reduction, a larger segment in column chunks
-        bucket = min(int(reduce_bucket_size), _CHUNK)
-        padded = [math.ceil(s / N) * N for s in segments]
+        cap = chunk_cap(reduce_bucket_size)
         wires, reductions = [], 0
-        for x in padded:
-            chunks = math.ceil(x / bucket)
-            width = math.ceil(x / N / chunks)
-            width = math.ceil(width / 64) * 64 if width >= 64 and chunks > 1 else width
-            wires.append(N * width if chunks > 1 else x)
-            reductions += math.ceil(x / N / width) if chunks > 1 else 1
-        buffers += p * max(wires, default=0) * 2 * min(_IN_FLIGHT, reductions)
+        for x in (math.ceil(s / N) * N for s in segments):
+            width = column_width(x, N, cap)
+            wires.append(N * width if width else x)
+            reductions += math.ceil(x / N / width) if width else 1
+        buffers += p * max(wires, default=0) * 2 * min(MAX_IN_FLIGHT, reductions)
     if nvme_opt:
         n_sg = max(1, math.ceil(share / int(sub_group_size)))
         widest = min(int(sub_group_size), share)

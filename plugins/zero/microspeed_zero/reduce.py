@@ -15,9 +15,9 @@
   runs several chunks (an interleaved pipeline), the end of a chunk's backward reduces that chunk's
   segments only (the runtime cuts segments within one chunk). On one rank the gradients are added
   straight into the partition (nothing to exchange, no staging).
-* **A segment larger than** ``reduce_bucket_size`` or :data:`CHUNK_NUMEL` (one parameter larger than
-  the bucket, such as a token embedding, or a stage-3 module) is reduced, at stages 2 and 3, in column
-  chunks where the collective allows it (gloo's ``all_to_all_single``): chunk ``k`` carries elements
+* **A segment larger than** ``reduce_bucket_size`` or :data:`~microspeed_zero.chunking.CHUNK_NUMEL` (one
+  parameter larger than the bucket, such as a token embedding, or a stage-3 module) is reduced, at stages 2
+  and 3, in column chunks where the collective allows it (gloo's ``all_to_all_single``): chunk ``k`` carries elements
   ``[a, b)`` of every rank's slice, copied straight from the gradients into a buffer of
   ``world * (b - a)`` values, at most the smaller of the two, so the buffers never hold a whole
   embedding's gradient twice. The first chunk starts at once, one more at each following gradient
@@ -41,13 +41,9 @@ from typing import Any
 
 import torch
 
+from microspeed_zero.chunking import MAX_IN_FLIGHT, chunk_cap, column_width
 from microspeed_zero.collectives import PartitionedReduce, partitioned_reduce
 from microspeed_zero.partition import Segment
-
-MAX_IN_FLIGHT = 2
-CHUNK_NUMEL = 1 << 23
-"""The most values one reduction moves at once (``reduce_bucket_size`` bounds it too): a larger segment goes in
-column chunks (32 MiB of fp32), so the pool's buffers stay about this size whatever the largest layer."""
 
 
 class Scaling:
@@ -94,8 +90,7 @@ class GradientReducer:
                  accumulators: dict[int, torch.Tensor], wire_dtype: torch.dtype | None, reduce_scatter: bool,
                  contiguous: bool, compression: Any = None, bucket_numel: int | None = None) -> None:
         self.segments, self.stage, self.scaling = segments, stage, scaling
-        # a larger segment is reduced in column chunks (where the collective can)
-        self.bucket_numel = min(bucket_numel or CHUNK_NUMEL, CHUNK_NUMEL)
+        self.bucket_numel = chunk_cap(bucket_numel)  # a larger segment goes in column chunks (where it can)
         self.acc = accumulators  # segment index -> stage 1: whole flat gradient; stage 2/3: this rank's slice
         self.wire_dtype = wire_dtype
         self.contiguous = contiguous
@@ -208,12 +203,9 @@ class GradientReducer:
         """Columns per chunk when ``seg`` is reduced in column chunks, else 0 (it fits a bucket, or the collective
         cannot: an all-reduce, or a compressed exchange, which lays out whole segments; or stage 1, whose
         accumulator is reduced in place, where chunks would add a copy of it and bound only the receive buffer)."""
-        if (self.stage == 1 or seg.world == 1 or seg.padded <= self.bucket_numel
-                or not getattr(self.collectives[id(seg.group)], "column_wise", False)):
+        if self.stage == 1 or not getattr(self.collectives[id(seg.group)], "column_wise", False):
             return 0
-        chunks = -(-seg.padded // self.bucket_numel)  # as few as fit, of even widths
-        width = -(-seg.shard_size // chunks)
-        return -(-width // 64) * 64 if width >= 64 else width  # chunks start where whole slices' vector lanes do
+        return column_width(seg.padded, seg.world, self.bucket_numel)
 
     def _queue_columns(self, seg: Segment, width: int) -> None:
         """Queue ``seg``'s column chunks (stages 2, 3): chunk ``[a, b)`` is columns ``a:b`` of every rank's slice,

@@ -157,10 +157,10 @@ def test_parse_bytes_units():
 
 
 def test_mirrored_constants_match_the_runtime():
-    """The prediction's copies of the reducer's and gradient swapper's sizes are the ones the runtime uses."""
-    from microspeed_zero import grad_swap, reduce
+    """The prediction's copies of the gradient swapper's sizes are the ones the runtime uses (the reducer's chunking
+    is one module both import)."""
+    from microspeed_zero import grad_swap
 
-    assert (peak_rss._IN_FLIGHT, peak_rss._CHUNK) == (reduce.MAX_IN_FLIGHT, reduce.CHUNK_NUMEL)
     assert (peak_rss._SWAP_BUFFERS, peak_rss._NORM_CHUNK) == (grad_swap.BUFFERS, grad_swap.NORM_CHUNK)
 
 

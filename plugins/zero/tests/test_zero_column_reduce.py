@@ -30,6 +30,7 @@ CASES = {
 def _train(stage: int, precision: str | None, nvme: str | None, whole: bool) -> dict:
     import torch.distributed as dist
     from microspeed_zero import reduce
+    from microspeed_zero.chunking import MAX_IN_FLIGHT
 
     import microspeed
     from microspeed.models import GPT, GPTConfig
@@ -68,7 +69,7 @@ def _train(stage: int, precision: str | None, nvme: str | None, whole: bool) -> 
     finally:
         reduce.GradientReducer._column_width = original
     return {"losses": losses, "weights": weights, "pool": pool, "chunked": chunked,
-            "in_flight": reduce.MAX_IN_FLIGHT}
+            "in_flight": MAX_IN_FLIGHT}
 
 
 def _body(root: str) -> dict:
