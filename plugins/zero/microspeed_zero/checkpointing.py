@@ -422,6 +422,7 @@ def _load_deferred_shards(rt: Any, reader: Any) -> None:
         s3.store.read(f"shard{index}", buf)
         s3.note_loaded(buf.nbytes)
         reader.read_now(targets)
+        s3.forget_read(index)
         s3.store.write(f"shard{index}", buf)
         del buf
     s3.deferred = set()

@@ -29,7 +29,11 @@ placeholder (``p.ds_shape`` / ``p.ds_numel`` give its real shape); the rank keep
 With ``offload_param.device = "nvme"`` a shard beyond the first ``offload_param.max_in_cpu`` elements is
 written to a file as soon as its module is partitioned (the model is never held whole), read for each gather
 and dropped after it; the optimizer's step writes its new values into the file piece by piece
-(:meth:`ParameterPartitioner.write_piece`).
+(:meth:`ParameterPartitioner.write_piece`). A prefetch also starts reading the shards of the next
+``stage3_prefetch_bucket_size`` elements beyond the gathers it launches (:meth:`ParameterPartitioner._read_ahead`):
+the reads run while the modules before them compute, and the gathers, launched where they always are (the same
+points, in the same order, on every rank: no collective depends on when a read finished), find the shard in memory.
+No read-ahead outlives an optimizer step or a write into its file.
 
 Releasing shrinks the flat buffer's storage to zero bytes (as FSDP does) and points the
 parameters at the placeholder: tensors autograd saved from the forward keep referring to the
@@ -145,9 +149,10 @@ class ParameterPartitioner:
         self.bw_cursor = -1  # position in the backward order of the module whose backward runs
         self._upcoming: list[int] | None = None  # the next pass's order (cached for the running pass)
         self.live = 0  # elements of non-persistent segments gathered or in flight
-        self.stats = {"gathers": 0, "sync": 0, "peak_live": 0}
+        self.stats = {"gathers": 0, "sync": 0, "peak_live": 0, "read_ahead": 0}
         """Counters: every all-gather of a non-persistent segment, those launched synchronously (the segment
-        was needed and not prefetched or kept), and the most elements gathered at once."""
+        was needed and not prefetched or kept), the most elements gathered at once, and the gathers of
+        file-resident shards a prefetch had read ahead."""
         self.placeholders: dict[tuple, torch.Tensor] = {}
         self.offload = self.cfg.offload_param in ("cpu", "nvme")  # shards in host memory (or files)
         self.pin = self.offload and self.cfg.pin_memory and torch.cuda.is_available()
@@ -163,6 +168,7 @@ class ParameterPartitioner:
         self.pages: dict[int, ReleasablePages] = {}
         self.paged = self.device.type == "cpu" and not self.offload
         self._piece_writes: deque[tuple[Any, int]] = deque()  # the step's writes into shard files, with bytes
+        self.reads: dict[int, tuple[Any, torch.Tensor]] = {}  # read-ahead of file-resident shards: handle, buffer
         self._piece_bytes = 0
         if self.cfg.offload_param == "nvme":
             import os
@@ -274,6 +280,7 @@ class ParameterPartitioner:
         """Write ``values`` (converted to the parameters' dtype) into elements ``[start, start + numel)`` of the
         file-resident shard of segment ``index``, asynchronously: a later gather reads it after the write (the store
         keeps one key's order). At most two sub-groups' worth of writes are in flight."""
+        self.forget_read(index)
         piece = self.store.staging(values.numel(), self.segments[index].dtype, start).copy_(values)  # O_DIRECT
         self._piece_writes.append((self.store.write_async(f"shard{index}", piece, offset=start), piece.nbytes))
         self._piece_bytes += piece.nbytes
@@ -337,7 +344,12 @@ class ParameterPartitioner:
         shard = self.shards[seg.index]
         if seg.index in self.in_files:  # offload_param nvme: read for this gather only (unless held for a step)
             shard = self.loaded.get(seg.index)
-            if shard is None:
+            ahead = self.reads.pop(seg.index, None)
+            if ahead is not None:  # read ahead by a prefetch: done by now, or soon
+                ahead[0].wait()
+                shard = shard if shard is not None else ahead[1]
+                self.stats["read_ahead"] += 1
+            elif shard is None:
                 shard = self.store.read(f"shard{seg.index}", aligned_empty(seg.shard_size, seg.dtype))
         if shard.device != flat.device:  # offload_param: host shard to the compute device first
             shard = shard.to(flat.device, non_blocking=True)
@@ -378,19 +390,48 @@ class ParameterPartitioner:
         return self.live
 
     def _prefetch(self, indices: Iterable[int]) -> None:
-        """Launch the gathers of ``indices`` (in order of use), up to the prefetch and live budgets."""
+        """Launch the gathers of ``indices`` (in order of use), up to the prefetch and live budgets; then, with
+        shards in files, start reading the shards of the next ``stage3_prefetch_bucket_size`` elements beyond."""
         budget = self.cfg.prefetch_bucket_size
         live = self.live
         ahead = 0
-        for index in indices:
+        rest = iter(indices)
+        for index in rest:
             seg = self.segments[index]
             if seg.persistent or self.status[index] != RELEASED:
                 continue
             if ahead >= budget or live + seg.padded > self.cfg.max_live_parameters:
+                rest = chain((index,), rest)
                 break
             self._launch(seg, async_op=True)
             ahead += seg.padded
             live += seg.padded
+        if self.in_files:
+            self._read_ahead(rest, budget)
+
+    def _read_ahead(self, indices: Iterable[int], budget: int) -> None:
+        """Start reading the file-resident shards of ``indices`` (in order of use) whose gathers are not launched,
+        ``budget`` elements of segments in all (those read already count): the read runs while the modules before
+        them compute, and their gathers, launched by a later prefetch or fetch at the same point on every rank as
+        always, find the shard in memory. Reads only: no collective starts here."""
+        ahead = 0
+        for index in indices:
+            seg = self.segments[index]
+            if seg.persistent or self.status[index] != RELEASED or index in self.loaded:
+                continue
+            if ahead + seg.padded > budget:
+                break
+            ahead += seg.padded
+            if index in self.in_files and index not in self.reads:
+                buf = aligned_empty(seg.shard_size, seg.dtype)  # page-aligned: O_DIRECT
+                self.reads[index] = (self.store.read_async(f"shard{index}", buf), buf)
+
+    def forget_read(self, index: int) -> None:
+        """Drop segment ``index``'s read-ahead, if any, once it finished (its buffer is being written): before
+        the shard's file changes, as a later gather must not send what the read found."""
+        ahead = self.reads.pop(index, None)
+        if ahead is not None:
+            ahead[0].wait()
 
     # -- module hooks ----------------------------------------------------------------------------
 
@@ -652,11 +693,13 @@ class ParameterPartitioner:
             self._wait_piece()
         for seg in self.segments:
             self.release(seg.index)
+            self.forget_read(seg.index)  # read before the step's writes (no prefetch crosses a step: spares)
 
     def after_step(self, seg: Segment) -> None:
         """A segment's shard was updated: refresh persistent segments' whole copy (lazily waited); write
         a file-resident shard back."""
         if seg.index in self.in_files:
+            self.forget_read(seg.index)
             shard = self.loaded.pop(seg.index, None)  # else the step wrote its pieces into the file
             if shard is not None:
                 self.store.write(f"shard{seg.index}", shard)
@@ -670,10 +713,11 @@ class ParameterPartitioner:
             self.fetch(index) if self.segments[index].persistent else self.release(index)
 
     def resident_bytes(self, size: Any) -> int:
-        """Bytes of shards in memory (file-resident ones read in whole too) and persistent whole segments (``size``
-        counts each storage once)."""
+        """Bytes of shards in memory (file-resident ones read in whole or ahead too) and persistent whole segments
+        (``size`` counts each storage once)."""
         total = sum(size(s) for s in self.shards.values() if s is not None)
         total += sum(size(s) for s in self.loaded.values())
+        total += sum(size(buf) for _, buf in self.reads.values())
         return total + sum(size(self.flats[s.index]) for s in self.segments if s.persistent)
 
 

@@ -7,9 +7,11 @@ buffers, the gathered parameters allowed by ``stage3_max_live_parameters`` and t
 files in flight — and the training state (fp32 weights, gradients, masters and two moments: 20 bytes per
 parameter) is >= 5x it. Checked:
 
-* the bytes the runtime accounts in memory (``memory_breakdown`` plus gathered parameters and piece writes in
-  flight), sampled after every forward, backward and step and at every piece the step writes, stay within the
-  budget; nothing holds the partition (no masters, no accumulator of an optimized segment, no shard in memory);
+* the bytes the runtime accounts in memory (``memory_breakdown``, with the shards read ahead, plus gathered
+  parameters and piece writes in flight), sampled after every forward, backward and step and at every piece
+  the step writes, stay within the budget; nothing holds the partition (no masters, no accumulator of an
+  optimized segment, no shard in memory);
+* prefetches read most shards ahead of their gathers, and the parameter files are read exactly once per gather;
 * the swap files' traffic per step is exactly the streamed state: the optimizer files read masters, moments
   and gradients once and the gradients once more per extra micro-step, write masters, moments and one
   gradient pass per micro-step; the parameter files receive the new weights once;
@@ -87,6 +89,7 @@ def test_model_five_times_over_the_budget_trains_as_in_memory(tmp_path):
     n = sum(p.ds_numel for p in engine.module.parameters())
     largest = max(s.shard_size for s in s3.segments)
     budget = (swapper.budget_bytes() + files.budget_bytes() + 4 * LIVE
+              + 4 * LIVE // 2  # shards read ahead: a prefetch bucket of segments (one rank: whole)
               + 2 * 4 * min(SUB_GROUP, largest))  # the step's piece writes in flight (stage3.write_piece)
     state = 20 * n
     assert state >= 5 * budget, (state, budget)
@@ -115,7 +118,19 @@ def test_model_five_times_over_the_budget_trains_as_in_memory(tmp_path):
             io.append((swapper.store.bytes_read, swapper.store.bytes_written, s3.store.bytes_written))
 
     engine.step = step_and_count
+    launched = []  # the shard bytes each gather needs (all shards are in files)
+    launch = s3._launch
+
+    def counted_launch(seg, async_op):
+        launched.append(seg.shard_size * seg.dtype.itemsize)
+        launch(seg, async_op)
+
+    s3._launch = counted_launch
+    params_read = s3.store.bytes_read
     losses, weights = _train(engine, samples)
+    # prefetches read shards ahead of their gathers, and every read serves exactly one gather (none wasted)
+    assert s3.stats["read_ahead"] > len(launched) // 2, (s3.stats, len(launched))
+    assert s3.store.bytes_read - params_read == sum(launched), (s3.store.bytes_read - params_read, sum(launched))
     assert max(samples) <= budget, (max(samples), budget)
     assert rt.masters == {} and s3.loaded == {} and all(v is None for v in s3.shards.values())
 
