@@ -17,8 +17,8 @@ heads, sequence 32, untied head: 2.44B parameters, 39 GB = 36.4 GiB of Adam stat
 bf16 mixed precision and in fp32 alike), built under ``microspeed.zero.Init(remote_device="nvme")`` straight into
 partitioned swap files (never whole in memory) and trained with ZeRO stage 3, ``offload_param`` and
 ``offload_optimizer`` on NVMe, ``--precision`` (bf16 by default: weights, gradients and the parameter swap in
-bf16, fp32 masters; on a CPU without ``avx512_bf16`` the linear layers' backward GEMMs run on fp32 copies of
-their bf16 inputs, ``--bf16-gemm``, because torch's bf16 kernel for that layout is ~35x slower there), AdamW,
+bf16, fp32 masters; on a CPU without ``avx512_bf16`` the linear layers' GEMMs run on fp32 copies of their bf16
+inputs, ``--bf16-gemm``, because torch's bf16 kernels are slower there: ~35x for the backward's layout), AdamW,
 clipping 1.0, on ``--ranks`` local processes (gloo; each rank 2 / ranks torch threads).
 
 In the same run, before the model exists, it measures the two bounds a step cannot beat:
@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -54,6 +55,8 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 2 ** 30
+_ALLOCATOR_ENV = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+"""Variables that change how host memory is allocated (page faults, RSS): printed with the figures."""
 MIB = 2 ** 20
 
 
@@ -89,19 +92,22 @@ def _native_bf16_gemm() -> bool:
 
 
 class _Fp32GemmLinear(torch.autograd.Function):
-    """``F.linear`` whose backward GEMMs take bf16 inputs to fp32, multiply, and round the result to bf16.
+    """``F.linear`` whose GEMMs, forward and backward, take bf16 inputs to fp32, multiply, and round the result to
+    bf16.
 
     A bf16 GEMM accumulates in fp32 and rounds its output the same way; this only chooses which kernel does it.
     torch 2.13 on an AVX2 CPU (no ``avx512_bf16``) sends a bf16 ``grad_output @ weight`` to a fallback that took
     6.4 s for (32 x 10240) @ (10240 x 2560) where the fp32 product took 0.18 s (BENCHMARKS.md), so a bf16 block's
-    backward ran 13x slower than fp32's. The forward keeps torch's bf16 ``F.linear`` (its oneDNN path is fast).
+    backward ran 13x slower than fp32's. Its bf16 ``F.linear`` is slower than the fp32 one with both casts too, for
+    a 32-row input: 27 against 11 ms at 1024 x 4096, 161 against 119 ms at 2560 x 10240 (one thread).
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return torch.nn.functional.linear(x, weight, bias)
+        out = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -230,6 +236,18 @@ def _disk_sectors(path: str) -> tuple[int, int]:
     return 0, 0
 
 
+def _phase(into: list, engine, fn, *args):
+    """Call ``fn(*args)``, adding to ``into`` its seconds, the bytes ``engine``'s swap stores read and wrote, this
+    process's user and system CPU seconds and its minor page faults; return what ``fn`` returned."""
+    m0, r0, t0 = _moved(engine), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    out = fn(*args)
+    m1, r1 = _moved(engine), resource.getrusage(resource.RUSAGE_SELF)
+    for i, v in enumerate((time.perf_counter() - t0, m1[0] - m0[0], m1[1] - m0[1], r1.ru_utime - r0.ru_utime,
+                           r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt)):
+        into[i] += v
+    return out
+
+
 def rank_main(opts, path: str | None) -> dict:
     """One rank: the bounds, then the build and the training steps; returns this rank's figures."""
     import torch.distributed as dist
@@ -289,12 +307,15 @@ def rank_main(opts, path: str | None) -> dict:
         disk0 = _disk_sectors(path) if path is not None else (0, 0)
         t0 = time.perf_counter()
         losses = []
+        counted = engine if opts.engine == "microspeed" and path is not None else None
+        # per phase: seconds, bytes read, bytes written, process user and system CPU seconds, minor page faults
+        phases = {name: [0.0, 0, 0, 0.0, 0.0, 0] for name in ("forward", "backward", "step")}
         for micro in range(opts.gas):
             x, y = batches[(step * opts.gas + micro) * world + rank]
             x, y = x % opts.vocab, y % opts.vocab
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+            loss = _phase(phases["forward"], counted, engine, x, y)
+            _phase(phases["backward"], counted, engine.backward, loss)
+            _phase(phases["step"], counted, engine.step)
             losses.append(float(loss.detach().float()))
         seconds = time.perf_counter() - t0
         moved1 = _moved(engine if opts.engine == "microspeed" and path is not None else None)
@@ -303,12 +324,14 @@ def rank_main(opts, path: str | None) -> dict:
             moved0, moved1 = disk0, disk1
         steps.append({"s": seconds, "read": moved1[0] - moved0[0], "written": moved1[1] - moved0[1],
                       "disk_read": disk1[0] - disk0[0], "disk_written": disk1[1] - disk0[1],
-                      "loss": statistics.fmean(losses), "peak": _status("VmHWM")})
+                      "loss": statistics.fmean(losses), "peak": _status("VmHWM"), "phases": phases})
         if rank == 0 and opts.verbose:
             print(f"step {step}: {seconds:.1f} s, loss {steps[-1]['loss']:.4f}, "
                   f"read {steps[-1]['read'] / GIB:.2f} GiB, "
-                  f"written {steps[-1]['written'] / GIB:.2f} GiB, peak RSS {steps[-1]['peak'] / MIB:.0f} MiB",
-                  flush=True)
+                  f"written {steps[-1]['written'] / GIB:.2f} GiB, peak RSS {steps[-1]['peak'] / MIB:.0f} MiB; "
+                  + ", ".join(f"{k} {v[0]:.1f} s (read {v[1] / GIB:.2f}, written {v[2] / GIB:.2f} GiB; CPU user "
+                              f"{v[3]:.1f} s, system {v[4]:.1f} s; {v[5] / 1000:.0f}k page faults)"
+                              for k, v in phases.items()), flush=True)
     out["steps"] = steps
     out["peak_rss"] = _status("VmHWM")
     return out
@@ -342,10 +365,12 @@ def report(opts, ranks: list[dict], label: str) -> dict:
            "device_read_per_step": disk_read, "device_written_per_step": disk_written,
            "losses": [s["loss"] for s in ranks[0]["steps"]],
            "build_s": max(r["build_s"] for r in ranks), "initialize_s": max(r["initialize_s"] for r in ranks),
-           "precision": opts.precision, "bf16_gemm": opts.bf16_gemm if opts.precision == "bf16" else None}
+           "precision": opts.precision, "bf16_gemm": opts.bf16_gemm if opts.precision == "bf16" else None,
+           "allocator_env": {k: os.environ[k] for k in _ALLOCATOR_ENV if k in os.environ}}
     print(f"[{label}] GPT {n / 1e9:.3f}B parameters on {opts.ranks} rank(s); training state {16 * n / GIB:.1f} GiB "
           f"(16 B/param); RAM {fig['ram'] / GIB:.1f} GiB; state / RAM = {16 * n / fig['ram']:.2f}; {opts.precision}"
-          + (f" (backward GEMMs: {opts.bf16_gemm})" if opts.precision == "bf16" else ""))
+          + (f" (GEMMs: {opts.bf16_gemm})" if opts.precision == "bf16" else ""))
+    print("  allocator environment: " + (", ".join(f"{k}={v}" for k, v in fig["allocator_env"].items()) or "none set"))
     print(f"  build {fig['build_s']:.0f} s, initialize {fig['initialize_s']:.0f} s; peak RSS per rank "
           + ", ".join(f"{p / MIB:.0f} MiB" for p in fig["peak_rss"])
           + " (baseline before the build " + ", ".join(f"{b / MIB:.0f}" for b in fig["baseline_rss"]) + " MiB)")
@@ -393,9 +418,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="bf16: 16-bit weights and gradients with fp32 masters; fp32: fp32 throughout (the "
                              "weights are the masters); both 16 bytes of state per parameter with Adam")
     parser.add_argument("--bf16-gemm", choices=("auto", "native", "fp32"), default="auto",
-                        help="bf16 runs: native = torch's bf16 GEMMs; fp32 = the linear layers' backward GEMMs "
+                        help="bf16 runs: native = torch's bf16 GEMMs; fp32 = the linear layers' GEMMs "
                              "take their bf16 inputs to fp32 and round the product to bf16 (torch's bf16 "
-                             "grad_output @ weight is ~35x slower than fp32 on a CPU without avx512_bf16); auto = "
+                             "grad_output @ weight is ~35x slower than fp32 on a CPU without avx512_bf16, its "
+                             "forward 1.4-2.5x); auto = "
                              "fp32 on such a CPU, else native")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sub-group", type=float, default=1e8, help="sub_group_size (elements)")
