@@ -51,8 +51,8 @@ import torch
 
 from microspeed.plugin_api import ConfigError, Field, Section, positive
 
-__all__ = ["ALIGN", "AioConfig", "AioContext", "IoStats", "aio_section", "aligned_empty", "direct_io_supported",
-           "kernel_aio_unavailable"]
+__all__ = ["ALIGN", "AioConfig", "AioContext", "AlignedPool", "IoStats", "aio_section", "aligned_empty",
+           "direct_io_supported", "kernel_aio_unavailable"]
 
 ALIGN = 4096
 """Alignment of direct I/O: buffer addresses, file offsets and request sizes are multiples of it."""
@@ -130,6 +130,54 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> t
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype)
+
+
+class AlignedPool:
+    """Page-aligned buffers (:func:`aligned_empty`) kept for reuse, so that buffers out and kept stay within
+    ``cap_bytes`` whenever those out do.
+
+    A fresh buffer faults in every 4 KiB page on its first write (kernel time, which a file read into it pays);
+    a kept one is refilled without a fault. :meth:`take` hands out a kept buffer of exactly that many bytes, or a
+    new one; :meth:`give` takes a buffer back and keeps it while the bytes kept and out stay within
+    ``cap_bytes`` (else it is dropped: its memory goes back to the system). The caller gives a buffer back only
+    once nothing uses it.
+    """
+
+    __slots__ = ("cap_bytes", "_free", "_kept", "_out")
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = int(cap_bytes)
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._kept = 0
+        self._out = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat page-aligned ``numel``-element ``dtype`` tensor, uninitialised (a kept one when there is)."""
+        nbytes = int(numel) * dtype.itemsize
+        self._out += nbytes
+        free = self._free.get(nbytes)
+        if free:
+            self._kept -= nbytes
+            return free.pop().view(dtype)
+        return aligned_empty(numel, dtype)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Take back ``buf`` (from :meth:`take`, no longer used); keep it for a later :meth:`take` of its size
+        while the cap allows."""
+        nbytes = buf.nbytes
+        self._out = max(0, self._out - nbytes)
+        if nbytes and self._kept + self._out + nbytes <= self.cap_bytes:
+            self._free.setdefault(nbytes, []).append(buf.view(torch.uint8))
+            self._kept += nbytes
+
+    def kept_bytes(self) -> int:
+        """Bytes of the buffers kept now (not those out)."""
+        return self._kept
+
+    def clear(self) -> None:
+        """Drop every kept buffer."""
+        self._free.clear()
+        self._kept = 0
 
 
 _DIRECT_CACHE: dict[str, bool] = {}

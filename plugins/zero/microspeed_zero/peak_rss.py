@@ -26,8 +26,9 @@ the code:
   gradient accumulation);
 * ``gathered``: stage 3's gathered parameters, ``p x (min(stage3_max_live_parameters, stage3_prefetch_bucket_size
   + 2 x the largest module) + the largest module)`` (the last term: autograd's gradient of the module being
-  reduced, before it is staged), at most the whole model; with parameters on NVMe, plus the shards read ahead of
-  their gathers (a prefetch bucket of segments: ``p x stage3_prefetch_bucket_size / ranks``);
+  reduced, before it is staged), at most the whole model; with parameters on NVMe, plus the buffers of shards
+  read from files (read ahead of their gathers, or kept for reuse: ``p x (stage3_prefetch_bucket_size + the
+  largest module) / ranks``);
 * ``unstaged``: stage 2's whole gradients of the largest reduction bucket, which autograd holds until the bucket
   is staged — at the end of backward, when the activations are gone;
 * ``activations``: the forward's saved tensors and the backward's gradients of them, from the model's shape
@@ -319,8 +320,8 @@ def predict_peak_rss(
     # stage 3: what is gathered (live, or prefetched) plus the gradient autograd makes of the module being reduced
     live = min(int(max_live_parameters), int(prefetch_bucket_size) + 2 * largest_seg) + largest_seg
     gathered = p * min(n, live) if stage == 3 else 0
-    if stage == 3 and offload_param == "nvme":  # shards read ahead of their gathers: a prefetch bucket of segments
-        gathered += p * min(share, math.ceil(int(prefetch_bucket_size) / N))
+    if stage == 3 and offload_param == "nvme":  # shards read from files: a prefetch bucket's ahead, and the largest
+        gathered += p * min(share, math.ceil(int(prefetch_bucket_size) / N) + math.ceil(largest_seg / N))
     unstaged = p * largest_seg if stage == 2 else 0  # autograd's whole gradients of the bucket being staged
     if activation_bytes_given is not None:
         activations = int(activation_bytes_given)

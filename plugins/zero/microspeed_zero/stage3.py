@@ -75,7 +75,7 @@ import torch.distributed as dist
 
 from microspeed.plugin_api import comm, replica_group
 from microspeed_zero.access import unwatch, watch
-from microspeed_zero.aio import aligned_empty
+from microspeed_zero.aio import ALIGN, AlignedPool, aligned_empty
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.host_memory import ReleasablePages
 from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf
@@ -167,9 +167,13 @@ class ParameterPartitioner:
         # CPU without offload: large segments' flat buffers on pages of their own, released without resizing
         self.pages: dict[int, ReleasablePages] = {}
         self.paged = self.device.type == "cpu" and not self.offload
-        self._piece_writes: deque[tuple[Any, int]] = deque()  # the step's writes into shard files, with bytes
-        self.reads: dict[int, tuple[Any, torch.Tensor]] = {}  # read-ahead of file-resident shards: handle, buffer
+        # the step's writes into shard files: handle, bytes, and the byte range of the staging ring it reads
+        self._piece_writes: deque[tuple[Any, int, tuple[int, int]]] = deque()
         self._piece_bytes = 0
+        self._ring: torch.Tensor | None = None  # the step's staging for those writes (see _stage)
+        self._ring_head = 0
+        self.reads: dict[int, tuple[Any, torch.Tensor]] = {}  # read-ahead of file-resident shards: handle, buffer
+        self.shard_pool: AlignedPool | None = None  # buffers for shards read from files (see _launch)
         if self.cfg.offload_param == "nvme":
             import os
 
@@ -178,6 +182,10 @@ class ParameterPartitioner:
             folder = os.path.join(rank_folder(self.cfg.offload_param_nvme_path, comm.get_rank()), f"params{id(self)}")
             self.store = TensorFileStore(folder, **self.cfg.aio.store_options())  # the aio section: direct I/O
         self._partition(model)
+        if self.in_files:  # shards read from files: a prefetch bucket's read ahead, and the largest (room to reuse)
+            item = max(s.dtype.itemsize for s in self.segments)
+            largest = max(self.segments[i].shard_size for i in self.in_files)
+            self.shard_pool = AlignedPool((-(-self.cfg.prefetch_bucket_size // self.world) + largest) * item)
         self._install_hooks(model)
 
     # -- partitioning ----------------------------------------------------------------------------
@@ -281,15 +289,43 @@ class ParameterPartitioner:
         file-resident shard of segment ``index``, asynchronously: a later gather reads it after the write (the store
         keeps one key's order). At most two sub-groups' worth of writes are in flight."""
         self.forget_read(index)
-        piece = self.store.staging(values.numel(), self.segments[index].dtype, start).copy_(values)  # O_DIRECT
-        self._piece_writes.append((self.store.write_async(f"shard{index}", piece, offset=start), piece.nbytes))
+        piece, region = self._stage(values.numel(), self.segments[index].dtype, start)
+        piece.copy_(values)
+        self._piece_writes.append((self.store.write_async(f"shard{index}", piece, offset=start), piece.nbytes, region))
         self._piece_bytes += piece.nbytes
-        limit = 2 * min(self.cfg.sub_group_size, max(s.shard_size for s in self.segments)) * piece.element_size()
-        while self._piece_bytes > limit:
+        while self._piece_bytes > 2 * self._piece_cap():
             self._wait_piece()
 
+    def _piece_cap(self) -> int:
+        """The most bytes one piece the step writes can have (a sub-group's share of the largest shard)."""
+        item = max(s.dtype.itemsize for s in self.segments)
+        return min(self.cfg.sub_group_size, max(s.shard_size for s in self.segments)) * item
+
+    def _stage(self, numel: int, dtype: torch.dtype, start: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Room in the step's staging ring for ``numel`` ``dtype`` values written at element ``start`` of a shard:
+        placed within a page as the file offset is, so the write goes ``O_DIRECT`` (see
+        :meth:`~microspeed_zero.nvme.TensorFileStore.staging`), after waiting for the writes still reading that
+        room. One ring per step (three pieces' worth: the two in flight and the next; released after the step)
+        instead of a new mapping per piece, whose pages would fault in again at every copy."""
+        if self._ring is None:
+            self._ring = aligned_empty(3 * self._piece_cap() + 2 * ALIGN, torch.uint8)
+            self._ring_head = 0
+        nbytes = int(numel) * dtype.itemsize
+        lead = int(start) * dtype.itemsize % ALIGN
+        at = self._ring_head + (lead - self._ring_head) % ALIGN
+        if at + nbytes > self._ring.numel():
+            at = lead  # wrap around
+        while any(a < at + nbytes and at < b for _, _, (a, b) in self._piece_writes):
+            self._wait_piece()  # the oldest first: the ring is filled in order
+        self._ring_head = at + nbytes
+        return self._ring[at:at + nbytes].view(dtype), (at, at + nbytes)
+
+    def staging_bytes(self) -> int:
+        """Bytes of the step's staging ring (0 outside a step that writes shard files)."""
+        return self._ring.numel() if self._ring is not None else 0
+
     def _wait_piece(self) -> None:
-        handle, nbytes = self._piece_writes.popleft()
+        handle, nbytes, _ = self._piece_writes.popleft()
         self._piece_bytes -= nbytes
         handle.wait()
 
@@ -341,19 +377,24 @@ class ParameterPartitioner:
         flat = self.flats[seg.index]
         if seg.index not in self.pages:
             flat.untyped_storage().resize_(seg.padded * flat.element_size())
-        shard = self.shards[seg.index]
+        shard, pooled = self.shards[seg.index], None
         if seg.index in self.in_files:  # offload_param nvme: read for this gather only (unless held for a step)
             shard = self.loaded.get(seg.index)
             ahead = self.reads.pop(seg.index, None)
             if ahead is not None:  # read ahead by a prefetch: done by now, or soon
                 ahead[0].wait()
-                shard = shard if shard is not None else ahead[1]
                 self.stats["read_ahead"] += 1
+                if shard is None:
+                    shard = pooled = ahead[1]
+                else:
+                    self.shard_pool.give(ahead[1])
             elif shard is None:
-                shard = self.store.read(f"shard{seg.index}", aligned_empty(seg.shard_size, seg.dtype))
+                shard = pooled = self.store.read(f"shard{seg.index}", self.shard_pool.take(seg.shard_size, seg.dtype))
         if shard.device != flat.device:  # offload_param: host shard to the compute device first
             shard = shard.to(flat.device, non_blocking=True)
         work = _gather_into(flat, shard, seg.group, async_op)
+        if pooled is not None:  # copied into the flat buffer (or to the device) already: free again
+            self.shard_pool.give(pooled)
         self.works[seg.index] = work
         self._set_status(seg, INFLIGHT)
         self.live += seg.padded
@@ -423,7 +464,7 @@ class ParameterPartitioner:
                 break
             ahead += seg.padded
             if index in self.in_files and index not in self.reads:
-                buf = aligned_empty(seg.shard_size, seg.dtype)  # page-aligned: O_DIRECT
+                buf = self.shard_pool.take(seg.shard_size, seg.dtype)  # page-aligned: O_DIRECT
                 self.reads[index] = (self.store.read_async(f"shard{index}", buf), buf)
 
     def forget_read(self, index: int) -> None:
@@ -432,6 +473,7 @@ class ParameterPartitioner:
         ahead = self.reads.pop(index, None)
         if ahead is not None:
             ahead[0].wait()
+            self.shard_pool.give(ahead[1])
 
     # -- module hooks ----------------------------------------------------------------------------
 
@@ -691,6 +733,7 @@ class ParameterPartitioner:
         shard files are waited for (their errors surface here)."""
         while self._piece_writes:
             self._wait_piece()
+        self._ring = None
         for seg in self.segments:
             self.release(seg.index)
             self.forget_read(seg.index)  # read before the step's writes (no prefetch crosses a step: spares)
@@ -718,6 +761,7 @@ class ParameterPartitioner:
         total = sum(size(s) for s in self.shards.values() if s is not None)
         total += sum(size(s) for s in self.loaded.values())
         total += sum(size(buf) for _, buf in self.reads.values())
+        total += self.shard_pool.kept_bytes() if self.shard_pool is not None else 0
         return total + sum(size(self.flats[s.index]) for s in self.segments if s.persistent)
 
 

@@ -9,7 +9,14 @@ import threading
 import pytest
 import torch
 from microspeed_zero import aio as aio_mod
-from microspeed_zero.aio import AioConfig, AioContext, aligned_empty, direct_io_supported, kernel_aio_unavailable
+from microspeed_zero.aio import (
+    AioConfig,
+    AioContext,
+    AlignedPool,
+    aligned_empty,
+    direct_io_supported,
+    kernel_aio_unavailable,
+)
 from microspeed_zero.nvme import TensorFileStore
 
 import microspeed
@@ -144,6 +151,31 @@ def test_piece_at_an_unaligned_offset_moves_its_whole_pages_direct_from_a_stagin
         assert store.stats.buffered_bytes - before == 5 * PAGE  # not placed like its offset: all buffered
         expect[100:100 + plain.numel()] = plain
         assert torch.equal(store.read("t"), expect)
+
+
+def test_aligned_pool_reuses_buffers_within_its_cap() -> None:
+    # Shards read from files go into pooled buffers: one given back is handed out again for the same size (no new
+    # mapping, so no page faults on the refill); a buffer given back is dropped when keeping it would put the
+    # bytes out and kept over the cap.
+    pool = AlignedPool(cap_bytes=3 * PAGE)
+    a = pool.take(PAGE // 2, torch.bfloat16)  # one page
+    b = pool.take(PAGE // 4, torch.float32)  # one page, another buffer
+    assert a.data_ptr() % PAGE == 0 and b.data_ptr() % PAGE == 0 and a.data_ptr() != b.data_ptr()
+    pool.give(a)  # 1 out + 1 kept
+    assert pool.kept_bytes() == PAGE
+    again = pool.take(PAGE // 4, torch.float32)  # the same bytes in another dtype: the kept buffer
+    assert again.data_ptr() == a.data_ptr() and again.dtype == torch.float32 and again.numel() == PAGE // 4
+    assert pool.kept_bytes() == 0
+    other = pool.take(PAGE // 2, torch.float32)  # two pages: none kept of that size, a new one
+    assert other.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    pool.give(other)  # 2 out + 2 kept = 4 pages > 3: dropped
+    assert pool.kept_bytes() == 0
+    pool.give(again)  # 1 out + 1 kept
+    pool.give(b)  # 0 out + 2 kept
+    assert pool.kept_bytes() == 2 * PAGE
+    assert pool.take(PAGE // 2, torch.bfloat16).data_ptr() in (a.data_ptr(), b.data_ptr())
+    pool.clear()
+    assert pool.kept_bytes() == 0
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -7,10 +7,10 @@ buffers, the gathered parameters allowed by ``stage3_max_live_parameters`` and t
 files in flight — and the training state (fp32 weights, gradients, masters and two moments: 20 bytes per
 parameter) is >= 5x it. Checked:
 
-* the bytes the runtime accounts in memory (``memory_breakdown``, with the shards read ahead, plus gathered
-  parameters and piece writes in flight), sampled after every forward, backward and step and at every piece
-  the step writes, stay within the budget; nothing holds the partition (no masters, no accumulator of an
-  optimized segment, no shard in memory);
+* the bytes the runtime accounts in memory (``memory_breakdown``, with the shards read ahead or kept for reuse,
+  plus gathered parameters and the step's staging ring for its writes into them), sampled after every forward,
+  backward and step and at every piece the step writes, stay within the budget; nothing holds the partition (no
+  masters, no accumulator of an optimized segment, no shard in memory);
 * prefetches read most shards ahead of their gathers, and the parameter files are read exactly once per gather;
 * the swap files' traffic per step is exactly the streamed state: the optimizer files read masters, moments
   and gradients once and the gradients once more per extra micro-step, write masters, moments and one
@@ -29,7 +29,7 @@ import microspeed
 from microspeed.demo.model import GPT, GPTConfig
 
 STEPS, GAS = 3, 2
-GPT_CONFIG = GPTConfig(vocab_size=512, seq_len=16, n_layer=4, n_head=4, d_model=64, tie_weights=False)
+GPT_CONFIG = GPTConfig(vocab_size=512, seq_len=16, n_layer=5, n_head=4, d_model=64, tie_weights=False)
 SUB_GROUP, LIVE = 4096, 40_000
 
 
@@ -49,7 +49,7 @@ def _held(rt) -> int:
     parameters and the step's writes into parameter files in flight."""
     s3 = rt.stage3
     gathered = sum(s3.flats[s.index].untyped_storage().nbytes() for s in s3.segments if not s.persistent)
-    return sum(v for k, v in rt.memory_breakdown().items() if not k.endswith("_nvme")) + gathered + s3._piece_bytes
+    return sum(v for k, v in rt.memory_breakdown().items() if not k.endswith("_nvme")) + gathered + s3.staging_bytes()
 
 
 def _train(engine, samples: list[int] | None) -> tuple[list[float], list[torch.Tensor]]:
@@ -89,8 +89,8 @@ def test_model_five_times_over_the_budget_trains_as_in_memory(tmp_path):
     n = sum(p.ds_numel for p in engine.module.parameters())
     largest = max(s.shard_size for s in s3.segments)
     budget = (swapper.budget_bytes() + files.budget_bytes() + 4 * LIVE
-              + 4 * LIVE // 2  # shards read ahead: a prefetch bucket of segments (one rank: whole)
-              + 2 * 4 * min(SUB_GROUP, largest))  # the step's piece writes in flight (stage3.write_piece)
+              + 4 * (LIVE // 2 + largest)  # shards read ahead or kept for reuse (one rank: whole)
+              + 3 * 4 * min(SUB_GROUP, largest) + 2 * 4096)  # the step's staging ring (stage3.write_piece)
     state = 20 * n
     assert state >= 5 * budget, (state, budget)
 
@@ -127,7 +127,30 @@ def test_model_five_times_over_the_budget_trains_as_in_memory(tmp_path):
 
     s3._launch = counted_launch
     params_read = s3.store.bytes_read
+    buffered0, direct0 = s3.store.stats.buffered_bytes, s3.store.stats.direct_bytes
+    partial = [0]  # the bytes of partial pages the parameter files' transfers move: at either end of each
+    read_async, write_async = s3.store.read_async, s3.store.write_async
+
+    def _partial(t: torch.Tensor, offset: int | None) -> None:
+        first = (-(offset or 0) * t.element_size()) % 4096
+        head = min(first, t.nbytes)
+        partial[0] += head + (t.nbytes - head) % 4096
+
+    def counted_read(key, out, after=(), offset=None):
+        _partial(out, offset)
+        return read_async(key, out, after, offset)
+
+    def counted_write(key, tensor, after=(), offset=None):
+        _partial(tensor, offset)
+        return write_async(key, tensor, after, offset)
+
+    s3.store.read_async, s3.store.write_async = counted_read, counted_write
     losses, weights = _train(engine, samples)
+    if s3.store.direct:  # the folder's file system takes O_DIRECT (tmpfs does not)
+        # shards are read into page-aligned buffers and the new weights written from the step's staging ring, placed
+        # within a page as their file offsets: every whole page moves O_DIRECT, only partial ones buffered
+        assert s3.store.stats.buffered_bytes - buffered0 == partial[0], (s3.store.stats.buffered_bytes, partial)
+        assert s3.store.stats.direct_bytes - direct0 > 0
     # prefetches read shards ahead of their gathers, and every read serves exactly one gather (none wasted)
     assert s3.stats["read_ahead"] > len(launched) // 2, (s3.stats, len(launched))
     assert s3.store.bytes_read - params_read == sum(launched), (s3.store.bytes_read - params_read, sum(launched))
