@@ -55,9 +55,9 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 2 ** 30
+MIB = 2 ** 20
 _ALLOCATOR_ENV = ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 """Variables that change how host memory is allocated (page faults, RSS): printed with the figures."""
-MIB = 2 ** 20
 
 
 def _status(key: str) -> int:
@@ -303,11 +303,11 @@ def rank_main(opts, path: str | None) -> dict:
     for step in range(opts.warmup + opts.steps):
         if dist.is_initialized():
             dist.barrier()
-        moved0 = _moved(engine if opts.engine == "microspeed" and path is not None else None)
+        counted = engine if opts.engine == "microspeed" and path is not None else None  # its swap stores' bytes
+        moved0 = _moved(counted)
         disk0 = _disk_sectors(path) if path is not None else (0, 0)
         t0 = time.perf_counter()
         losses = []
-        counted = engine if opts.engine == "microspeed" and path is not None else None
         # per phase: seconds, bytes read, bytes written, process user and system CPU seconds, minor page faults
         phases = {name: [0.0, 0, 0, 0.0, 0.0, 0] for name in ("forward", "backward", "step")}
         for micro in range(opts.gas):
@@ -318,7 +318,7 @@ def rank_main(opts, path: str | None) -> dict:
             _phase(phases["step"], counted, engine.step)
             losses.append(float(loss.detach().float()))
         seconds = time.perf_counter() - t0
-        moved1 = _moved(engine if opts.engine == "microspeed" and path is not None else None)
+        moved1 = _moved(counted)
         disk1 = _disk_sectors(path) if path is not None else (0, 0)
         if opts.engine == "deepspeed":  # no counters of its own: the device's, whole machine (rank 0's view)
             moved0, moved1 = disk0, disk1
