@@ -174,11 +174,6 @@ class AlignedPool:
         """Bytes of the buffers kept now (not those out)."""
         return self._kept
 
-    def clear(self) -> None:
-        """Drop every kept buffer."""
-        self._free.clear()
-        self._kept = 0
-
 
 _DIRECT_CACHE: dict[str, bool] = {}
 

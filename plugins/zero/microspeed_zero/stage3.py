@@ -172,6 +172,7 @@ class ParameterPartitioner:
         self._piece_bytes = 0
         self._ring: torch.Tensor | None = None  # the step's staging for those writes (see _stage)
         self._ring_head = 0
+        self._cap: int | None = None  # _piece_cap, once known
         self.reads: dict[int, tuple[Any, torch.Tensor]] = {}  # read-ahead of file-resident shards: handle, buffer
         self.shard_pool: AlignedPool | None = None  # buffers for shards read from files (see _launch)
         if self.cfg.offload_param == "nvme":
@@ -298,8 +299,10 @@ class ParameterPartitioner:
 
     def _piece_cap(self) -> int:
         """The most bytes one piece the step writes can have (a sub-group's share of the largest shard)."""
-        item = max(s.dtype.itemsize for s in self.segments)
-        return min(self.cfg.sub_group_size, max(s.shard_size for s in self.segments)) * item
+        if self._cap is None:
+            item = max(s.dtype.itemsize for s in self.segments)
+            self._cap = min(self.cfg.sub_group_size, max(s.shard_size for s in self.segments)) * item
+        return self._cap
 
     def _stage(self, numel: int, dtype: torch.dtype, start: int) -> tuple[torch.Tensor, tuple[int, int]]:
         """Room in the step's staging ring for ``numel`` ``dtype`` values written at element ``start`` of a shard:
@@ -383,9 +386,9 @@ class ParameterPartitioner:
             ahead = self.reads.pop(seg.index, None)
             if ahead is not None:  # read ahead by a prefetch: done by now, or soon
                 ahead[0].wait()
-                self.stats["read_ahead"] += 1
                 if shard is None:
                     shard = pooled = ahead[1]
+                    self.stats["read_ahead"] += 1
                 else:
                     self.shard_pool.give(ahead[1])
             elif shard is None:
