@@ -35,7 +35,8 @@ Then it trains ``--warmup`` + ``--steps`` optimizer steps and prints: parameters
 peak RSS per rank (``VmHWM`` from after the bounds were measured to the end), bytes read and written per step
 (the swap stores' counters, summed over ranks), seconds per step (median of the timed steps, slowest rank), the
 two bounds and ``step / max(I/O bound, compute bound)`` (the issue's goal: within 1.3). One ``BENCH_JSON`` line
-carries every figure.
+carries every figure, with the allocator variables of the run: ``THP_MEM_ALLOC_ENABLE`` is 1 unless the environment
+says otherwise (``THP_MEM_ALLOC_ENABLE=0``: 4 KiB pages), as the runtime advises under NVMe offload.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ import sys
 import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports deepspeed
+# Before torch's first allocation: its large CPU tensors on transparent huge pages, as the runtime's hint advises
+# under NVMe offload (microspeed_zero.host_memory); THP_MEM_ALLOC_ENABLE=0 in the environment turns it off.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 

@@ -37,11 +37,12 @@ No read-ahead outlives an optimizer step or a write into its file.
 
 Releasing shrinks the flat buffer's storage to zero bytes (as FSDP does) and points the
 parameters at the placeholder: tensors autograd saved from the forward keep referring to the
-same storage, which the backward gather fills again, so any module works unchanged. On CPU without
-offload a segment of 1 MiB or more instead keeps a buffer of its own
-(:class:`~microspeed_zero.host_memory.ReleasablePages`) whose pages a release marks free for the
-kernel to take back when it needs memory: refilling a storage grown again faults once per 4 KiB
-page, which cost more CPU than the gather itself.
+same storage, which the backward gather fills again, so any module works unchanged. On CPU a segment
+of 1 MiB or more instead keeps a buffer of its own (:class:`~microspeed_zero.host_memory.ReleasablePages`):
+refilling a storage grown again faults once per 4 KiB page, which cost more CPU than the gather itself.
+Without offload a release marks its pages free for the kernel to take back when it needs memory; with
+``offload_param`` (a budgeted peak RSS) it gives them back at once, and the buffer sits on 2 MiB huge pages,
+so that the refill faults once per 2 MiB.
 
 * **Parameters used outside their module** (``nn.MultiheadAttention`` reads ``out_proj.weight``
   without calling ``out_proj``; a tied embedding used through ``F.linear``): leaf modules
@@ -97,8 +98,8 @@ _NO_GATHER = frozenset({
 """Uses of a released parameter that read only what its placeholder also answers: no gather."""
 
 PAGED_MIN_BYTES = 1 << 20
-"""Segments of at least this many bytes get a :class:`~microspeed_zero.host_memory.ReleasablePages` buffer (CPU, no
-offload); smaller ones, which glibc serves from its heap, resize their storage."""
+"""Segments of at least this many bytes get a :class:`~microspeed_zero.host_memory.ReleasablePages` buffer (CPU);
+smaller ones, which glibc serves from its heap, resize their storage."""
 
 
 class _Frame:
@@ -164,9 +165,10 @@ class ParameterPartitioner:
         loads one segment at a time: :meth:`note_loaded`); reset it to measure a span."""
         self.deferred: set[int] = set()  # file-resident shards a checkpoint load fills one at a time (checkpointing)
         self.kept = 0  # elements of non-persistent shards kept in memory (at most offload_param.max_in_cpu)
-        # CPU without offload: large segments' flat buffers on pages of their own, released without resizing
+        # CPU: large segments' flat buffers on pages of their own, released without resizing (returned at once
+        # with offload_param: its peak RSS is budgeted)
         self.pages: dict[int, ReleasablePages] = {}
-        self.paged = self.device.type == "cpu" and not self.offload
+        self.paged = self.device.type == "cpu"
         # the step's writes into shard files: handle, bytes, and the byte range of the staging ring it reads
         self._piece_writes: deque[tuple[Any, int, tuple[int, int]]] = deque()
         self._piece_bytes = 0
@@ -236,7 +238,7 @@ class ParameterPartitioner:
             seg.persistent = persistent
             self.segments.append(seg)
             if self.paged and not persistent and seg.padded * seg.dtype.itemsize >= PAGED_MIN_BYTES:
-                self.pages[seg.index] = ReleasablePages(seg.padded, seg.dtype)  # zero-filled
+                self.pages[seg.index] = ReleasablePages(seg.padded, seg.dtype, returned=self.offload)  # zeros
                 flat = self.pages[seg.index].tensor
             else:
                 flat = torch.zeros(seg.padded, dtype=seg.dtype, device=self.device)

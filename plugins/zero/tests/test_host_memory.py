@@ -43,8 +43,37 @@ def test_tensors_of_a_mebibyte_or_more_get_their_own_pages():
 
 
 
-def _lazy_free_kib(address: int) -> int:
-    """``LazyFree`` of the mapping holding ``address``: its pages marked free that the kernel has not taken yet."""
+HUGE = """
+import logging, resource, torch
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from microspeed_zero.host_memory import huge_pages_hint, return_freed_memory, torch_huge_pages
+on = torch_huge_pages()
+assert return_freed_memory()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+x = torch.ones(16 << 20)  # 64 MiB, on pages of its own (the policy)
+print(on, huge_pages_hint() is None, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+                    or "[madvise]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+                    reason="the kernel's transparent huge pages in madvise mode")
+@pytest.mark.timeout(240)
+def test_the_fixed_threshold_names_huge_pages_when_torch_has_them_off():
+    """Under the policy, a 64 MiB tensor faults per 4 KiB page without THP_MEM_ALLOC_ENABLE (16384 faults) and
+    the policy's first use logs the variable to set; with it, per 2 MiB (32), and no hint. Set to 0: no hint."""
+    env = {k: v for k, v in os.environ.items() if k not in ("THP_MEM_ALLOC_ENABLE", "MALLOC_MMAP_THRESHOLD_")}
+    for value, huge in (("", False), ("1", True), ("0", False)):
+        out = subprocess.run([sys.executable, "-c", HUGE], env={**env, "THP_MEM_ALLOC_ENABLE": value} if value else env,
+                             capture_output=True, text=True, timeout=120, check=True)
+        on, quiet, faults = out.stdout.split()
+        assert on == str(huge) and quiet == str(huge or value == "0"), (value, out.stdout)
+        assert (faults and int(faults) < 1000) if huge else int(faults) >= 16 << 10, (value, faults)
+        assert ("THP_MEM_ALLOC_ENABLE=1 in the launch environment" in out.stderr) == (quiet == "False"), out.stderr
+
+
+def _mapping_kib(address: int, field: str) -> int:
+    """``field`` (``Rss``, ``AnonHugePages``) of the mapping holding ``address``, in KiB."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -52,7 +81,7 @@ def _lazy_free_kib(address: int) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= address < hi
-            elif inside and head == "LazyFree:":
+            elif inside and head == field + ":":
                 return int(line.split()[1])
     raise AssertionError("no mapping holds the address")
 
@@ -72,7 +101,32 @@ def test_releasable_pages_are_given_back_and_the_tensor_stays():
     view = t[1 << 20:2 << 20].view(1024, 1024)
     t.fill_(1.5)
     pages.release()
-    assert _lazy_free_kib(t.data_ptr()) >= 15 << 10 or not t.any()
+    assert _mapping_kib(t.data_ptr(), "LazyFree") >= 15 << 10 or not t.any()
     t.zero_()
     view.fill_(2.0)
     assert float(t[1 << 20]) == 2.0 and float(t.sum()) == 2.0 * (1 << 20)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux")
+def test_returned_pages_start_on_a_huge_page_and_leave_at_once():
+    """``returned=True`` (offloaded parameters): the buffer starts on a 2 MiB boundary, its whole 2 MiB ranges are
+    on huge pages where the kernel gives them (madvise mode), a release gives every page back at once (not lazily),
+    and the tensor and a view taken before stay usable."""
+    import torch
+    from microspeed_zero.host_memory import HUGE_PAGE, ReleasablePages
+
+    pages = ReleasablePages((5 << 20) + 3, torch.float32, returned=True)  # 20 MiB + 12 bytes
+    t = pages.tensor
+    assert t.numel() == (5 << 20) + 3 and t.data_ptr() % HUGE_PAGE == 0 and not t.any()
+    view = t[-4:]
+    t.fill_(1.5)
+    start = t.data_ptr()
+    assert _mapping_kib(start, "Rss") >= 20 << 10
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else ""
+    if "[madvise]" in mode or "[always]" in mode:
+        assert _mapping_kib(start, "AnonHugePages") > 0
+    pages.release()
+    assert _mapping_kib(start, "Rss") == 0 and not t.any()  # gone at once: zeros
+    view.fill_(2.0)
+    assert float(t.sum()) == 8.0 and float(t[-1]) == 2.0
