@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno as errno_mod
-import mmap
 import os
 import re
 import threading
@@ -50,6 +49,7 @@ from microspeed_zero.aio import (
     AioContext,
     IoStats,
     aligned_empty,
+    anonymous_pages,
     direct_io_supported,
     kernel_aio_unavailable,
     short_transfer,
@@ -553,7 +553,7 @@ class TensorFileStore:
         if nbytes == 0:
             return torch.empty(0, dtype=dtype)
         lead = int(offset) * dtype.itemsize % ALIGN
-        raw = torch.frombuffer(mmap.mmap(-1, lead + nbytes), dtype=torch.uint8)
+        raw = torch.frombuffer(anonymous_pages(lead + nbytes), dtype=torch.uint8)
         return raw[lead:].view(dtype)
 
     def write(self, key: str, tensor: torch.Tensor, offset: int | None = None) -> None:

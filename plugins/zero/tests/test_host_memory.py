@@ -73,7 +73,7 @@ def test_the_fixed_threshold_names_huge_pages_when_torch_has_them_off():
 
 
 def _mapping_kib(address: int, field: str) -> int:
-    """``field`` (``Rss``, ``AnonHugePages``) of the mapping holding ``address``, in KiB."""
+    """``field`` (``Rss``, ``Anonymous``, ``AnonHugePages``, ``LazyFree``) of the mapping holding ``address``, in KiB."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -130,3 +130,20 @@ def test_returned_pages_start_on_a_huge_page_and_leave_at_once():
     assert _mapping_kib(start, "Rss") == 0 and not t.any()  # gone at once: zeros
     view.fill_(2.0)
     assert float(t.sum()) == 8.0 and float(t[-1]) == 2.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux")
+def test_swap_buffers_are_private_memory_on_huge_pages():
+    """The swappers' page-aligned buffers (``aligned_empty``, the staging rings) are private anonymous memory — not
+    shmem, which ``mmap.mmap(-1, n)`` maps by default and which faults per 4 KiB — advised onto huge pages."""
+    import torch
+    from microspeed_zero.aio import aligned_empty
+
+    t = aligned_empty(16 << 20, torch.float32)  # 64 MiB
+    assert t.data_ptr() % 4096 == 0
+    t.fill_(1.0)
+    assert _mapping_kib(t.data_ptr(), "Anonymous") >= 64 << 10
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
+        "/sys/kernel/mm/transparent_hugepage/enabled") else ""
+    if "[madvise]" in mode or "[always]" in mode:
+        assert _mapping_kib(t.data_ptr(), "AnonHugePages") >= 32 << 10
