@@ -73,7 +73,7 @@ def test_the_fixed_threshold_names_huge_pages_when_torch_has_them_off():
 
 
 def _mapping_kib(address: int, field: str) -> int:
-    """``field`` (``Rss``, ``Anonymous``, ``AnonHugePages``, ``LazyFree``) of the mapping holding ``address``, in KiB."""
+    """``field`` (``Rss``, ``Anonymous``, ``AnonHugePages``, ``LazyFree``) of the mapping at ``address``, in KiB."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
