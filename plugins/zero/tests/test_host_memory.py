@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from microspeed_zero.host_memory import kernel_huge_pages
 
 PROBE = """
 import sys, torch
@@ -55,9 +56,7 @@ print(on, huge_pages_hint() is None, resource.getrusage(resource.RUSAGE_SELF).ru
 """
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-                    or "[madvise]" not in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
-                    reason="the kernel's transparent huge pages in madvise mode")
+@pytest.mark.skipif(kernel_huge_pages() != "madvise", reason="the kernel's transparent huge pages in madvise mode")
 @pytest.mark.timeout(240)
 def test_the_fixed_threshold_names_huge_pages_when_torch_has_them_off():
     """Under the policy, a 64 MiB tensor faults per 4 KiB page without THP_MEM_ALLOC_ENABLE (16384 faults) and
@@ -123,9 +122,7 @@ def test_returned_pages_start_on_a_huge_page_and_leave_at_once():
     t.fill_(1.5)
     start = t.data_ptr()
     assert _mapping_kib(start, "Rss") >= 20 << 10
-    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
-        "/sys/kernel/mm/transparent_hugepage/enabled") else ""
-    if "[madvise]" in mode or "[always]" in mode:
+    if kernel_huge_pages() in ("madvise", "always"):
         assert _mapping_kib(start, "AnonHugePages") > 0
     pages.release()
     assert _mapping_kib(start, "Rss") == 0 and not t.any()  # gone at once: zeros
@@ -144,7 +141,5 @@ def test_swap_buffers_are_private_memory_on_huge_pages():
     assert t.data_ptr() % 4096 == 0
     t.fill_(1.0)
     assert _mapping_kib(t.data_ptr(), "Anonymous") >= 64 << 10
-    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read() if os.path.exists(
-        "/sys/kernel/mm/transparent_hugepage/enabled") else ""
-    if "[madvise]" in mode or "[always]" in mode:
+    if kernel_huge_pages() in ("madvise", "always"):
         assert _mapping_kib(t.data_ptr(), "AnonHugePages") >= 32 << 10
