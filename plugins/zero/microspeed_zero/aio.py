@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
-import mmap
 import os
 import platform
 import sys
@@ -50,9 +49,10 @@ from typing import Any
 import torch
 
 from microspeed.plugin_api import ConfigError, Field, Section, positive
+from microspeed_zero.host_memory import anonymous_pages
 
 __all__ = ["ALIGN", "AioConfig", "AioContext", "AlignedPool", "IoStats", "aio_section", "aligned_empty",
-           "anonymous_pages", "direct_io_supported", "kernel_aio_unavailable"]
+           "direct_io_supported", "kernel_aio_unavailable"]
 
 ALIGN = 4096
 """Alignment of direct I/O: buffer addresses, file offsets and request sizes are multiples of it."""
@@ -130,19 +130,6 @@ def aligned_empty(numel: int, dtype: torch.dtype, pin_memory: bool = False) -> t
     if nbytes == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(anonymous_pages(nbytes), dtype=torch.uint8).view(dtype)
-
-
-def anonymous_pages(nbytes: int) -> mmap.mmap:
-    """``nbytes`` of private anonymous memory, page-aligned, unmapped until touched; from 2 MiB on, advised onto
-    transparent huge pages (``MADV_HUGEPAGE``), so that filling it faults once per 2 MiB instead of once per 4 KiB.
-    (``mmap.mmap(-1, n)`` alone maps *shared* memory: shmem, on 4 KiB pages, each fault costlier.)"""
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if nbytes >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            pages.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages
-            pass
-    return pages
 
 
 class AlignedPool:

@@ -112,6 +112,27 @@ def huge_pages_hint() -> str | None:
             f"69 s per step with it, 85 s without ({HUGE_PAGES_ENV}=0 silences this)")
 
 
+def _advise_huge(pages: mmap.mmap, start: int = 0, length: int = 0) -> None:
+    """Advise bytes ``start:start+length`` of ``pages`` (all of them with ``length`` 0) onto transparent huge pages;
+    nothing where the kernel or Python has no ``MADV_HUGEPAGE``."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            pages.madvise(mmap.MADV_HUGEPAGE, start, length or len(pages) - start)
+        except OSError:  # a kernel without transparent huge pages: 4 KiB pages
+            pass
+
+
+def anonymous_pages(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory, page-aligned, unmapped until touched; from 2 MiB on, advised onto
+    transparent huge pages, so that filling it faults once per 2 MiB instead of once per 4 KiB. (``mmap.mmap(-1, n)``
+    alone maps *shared* memory: shmem, on 4 KiB pages, each fault costlier.) The swappers' buffers
+    (:func:`microspeed_zero.aio.aligned_empty`, the staging rings) live on it."""
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if nbytes >= HUGE_PAGE:
+        _advise_huge(pages)
+    return pages
+
+
 class ReleasablePages:
     """A flat CPU tensor of ``numel`` elements on pages of its own, given back by :meth:`release` (see the module
     docstring). The tensor, and every view of it, stays valid throughout; after a release its values are undefined
@@ -133,11 +154,8 @@ class ReleasablePages:
         skip = (-raw.data_ptr()) % HUGE_PAGE if returned else 0
         self.tensor = raw[skip:skip + nbytes].view(dtype)
         whole = nbytes // HUGE_PAGE * HUGE_PAGE
-        if returned and whole and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE, skip, whole)
-            except OSError:  # a kernel without transparent huge pages: 4 KiB pages
-                pass
+        if returned and whole:
+            _advise_huge(self._map, skip, whole)
 
     def release(self) -> None:
         """Give the pages back: at once (``returned``), or mark them free for the kernel to reclaim when it needs

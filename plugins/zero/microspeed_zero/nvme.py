@@ -49,12 +49,12 @@ from microspeed_zero.aio import (
     AioContext,
     IoStats,
     aligned_empty,
-    anonymous_pages,
     direct_io_supported,
     kernel_aio_unavailable,
     short_transfer,
     warn_fallback_once,
 )
+from microspeed_zero.host_memory import anonymous_pages
 
 __all__ = ["Prefetcher", "SwapError", "SwapHandle", "TensorFileStore", "rank_folder"]
 
