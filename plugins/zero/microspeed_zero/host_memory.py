@@ -1,4 +1,5 @@
-"""Host memory policy: freed large tensors go back to the operating system; buffers refilled without page faults.
+"""Host memory policy: freed tensors go back to the operating system (budgeted) or stay for reuse; buffers refilled
+without page faults.
 
 glibc serves an allocation from its heap unless it is at least its *mmap threshold*, which starts at 128 KiB and
 rises (up to 32 MiB) each time a larger block that was served by ``mmap`` is freed. With NVMe offload most of what
@@ -11,6 +12,18 @@ an 81M-parameter bf16 GPT with parameters and optimizer on NVMe (``benchmarks/ze
 :func:`return_freed_memory` fixes the threshold at :data:`THRESHOLD` for the process, once, as the environment
 variable ``MALLOC_MMAP_THRESHOLD_`` would; a value the user set in that variable is left alone, and so is any C
 library without ``mallopt`` (not glibc).
+
+Without a peak-RSS budget the opposite policy pays: :func:`keep_freed_memory` (ZeRO on the CPU without offload)
+keeps every freed block in glibc's heap for the next allocation of its size, as a GPU's caching allocator does.
+Autograd allocates every gradient afresh in each backward, and a gradient over 32 MiB (an embedding's, a vocabulary
+head's) is always mapped on its own by default and returned when freed, so each backward faulted in and zeroed the
+model's gradients again, 4 KiB at a time: 40k faults and 150 ms of system CPU per backward of a 45M-parameter GPT on 2
+ranks, and up to 2.6x that much zeroing when another model shared the process. With the heap kept, the backward's
+faults fell to 50 and its time from 495 to 395 ms (stage 3). The peak RSS stays what it was (the same blocks are
+reused every step); the RSS no longer falls back between steps. ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``
+or ``MALLOC_MMAP_THRESHOLD_`` in the environment (the user's choice) leave glibc's policy alone. A budget wins: once
+:func:`return_freed_memory` holds, a later engine does not keep memory, and an engine with a budget built after one
+without gives the kept heap back (``malloc_trim``) before fixing the threshold.
 
 The price of the fixed threshold is a page fault for every 4 KiB of every large tensor allocated again (autograd's
 gradients, gathered layers, temporaries): about 5 s of system CPU per rank in each forward + backward of a 0.37B bf16
@@ -54,30 +67,66 @@ HUGE_PAGE = 2 << 20
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 """torch's switch for transparent huge pages under its CPU allocations of 2 MiB or more (read once, at its first)."""
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+# glibc's mallopt parameter numbers, and its defaults for the two that keep_freed_memory changes
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536
+_KEPT_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes a C int: keep a free top below 2 GiB
+_USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
 _state: dict[str, bool] = {}
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """Apply glibc ``mallopt`` settings (parameter, value) in order; whether every one was taken (``False`` with a C
+    library that has no ``mallopt``)."""
+    try:
+        libc = ctypes.CDLL(None)
+        return all(bool(libc.mallopt(param, value)) for param, value in settings)
+    except (OSError, AttributeError):
+        return False
+
+
+def _user_chose(names: tuple[str, ...]) -> bool:
+    """Whether the environment sets one of glibc's malloc variables ``names`` (the user's policy holds)."""
+    return any(os.environ.get(name) for name in names)
 
 
 def return_freed_memory() -> bool:
     """Fix glibc's mmap threshold at :data:`THRESHOLD` bytes for this process (once); whether the policy holds.
 
     ``False`` when the C library has no ``mallopt`` or refuses it; ``True`` without a change when
-    ``MALLOC_MMAP_THRESHOLD_`` is set (the user chose).
+    ``MALLOC_MMAP_THRESHOLD_`` is set (the user chose). Undoes :func:`keep_freed_memory` first, giving the kept heap
+    back (``malloc_trim``).
     """
     if "done" not in _state:
-        if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+        if _user_chose(("MALLOC_MMAP_THRESHOLD_",)):
             _state["done"] = True
         else:
-            try:
-                libc = ctypes.CDLL(None)
-                _state["done"] = bool(libc.mallopt(_M_MMAP_THRESHOLD, THRESHOLD))
-            except (OSError, AttributeError):
-                _state["done"] = False
+            if _state.get("kept"):
+                _mallopt((_M_MMAP_MAX, _DEFAULT_MMAP_MAX), (_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD))
+                _state["kept"] = False
+                try:
+                    ctypes.CDLL(None).malloc_trim(0)
+                except (OSError, AttributeError):
+                    pass
+            _state["done"] = _mallopt((_M_MMAP_THRESHOLD, THRESHOLD))
         hint = huge_pages_hint() if _state["done"] else None
         if hint is not None and comm.get_rank() == 0:
             logging.getLogger("microspeed.zero").warning(hint)
     return _state["done"]
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed blocks of every size in glibc's heap for reuse (``M_MMAP_MAX`` 0, ``M_TRIM_THRESHOLD`` 2 GiB),
+    for this process, once; whether the policy holds (see the module docstring).
+
+    ``False`` where :func:`return_freed_memory` holds (a budget wins), where the environment sets one of glibc's
+    malloc variables (the user chose), or where the C library has no ``mallopt``.
+    """
+    if "kept" not in _state:
+        _state["kept"] = ("done" not in _state and not _user_chose(_USER_MALLOC_ENV)
+                          and _mallopt((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _KEPT_TRIM_THRESHOLD)))
+    return _state["kept"]
 
 
 def kernel_huge_pages() -> str:

@@ -42,7 +42,7 @@ from microspeed.plugin_api import (
 from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.config import ZeroConfig
-from microspeed_zero.host_memory import return_freed_memory
+from microspeed_zero.host_memory import keep_freed_memory, return_freed_memory
 from microspeed_zero.optimizer import ZeroOptimizer
 from microspeed_zero.partition import Segment, cut_segments
 from microspeed_zero.reduce import GradientReducer, Scaling
@@ -64,6 +64,8 @@ class ZeroRuntime:
         self.engine, self.cfg, self.stage = engine, cfg, cfg.stage
         if "nvme" in (cfg.offload_param, cfg.offload_optimizer):  # what a step frees must leave the process
             return_freed_memory()
+        elif cfg.host_memory_budget is None and torch.device(engine.device).type == "cpu":
+            keep_freed_memory()  # autograd's fresh gradients reuse the last step's blocks instead of faulting
         topo = engine.topology
         self.group = topo.data_parallel_group
         self.world, self.rank = topo.data_parallel_size, topo.data_parallel_rank

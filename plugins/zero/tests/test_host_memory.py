@@ -143,3 +143,70 @@ def test_swap_buffers_are_private_memory_on_huge_pages():
     assert _mapping_kib(t.data_ptr(), "Anonymous") >= 64 << 10
     if kernel_huge_pages() in ("madvise", "always"):
         assert _mapping_kib(t.data_ptr(), "AnonHugePages") >= 32 << 10
+
+
+KEEP = """
+import resource, sys, torch
+from microspeed_zero import host_memory
+order = sys.argv[1]
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+policy = []
+for step in order.split(","):
+    policy.append(host_memory.keep_freed_memory() if step == "keep" else host_memory.return_freed_memory())
+counts = []
+for _ in range(4):  # autograd's pattern: large tensors allocated afresh, freed, allocated again
+    before = faults()
+    a = torch.ones(16 << 20)  # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB)
+    b = torch.ones(2 << 20)
+    del a, b
+    counts.append(faults() - before)
+print(policy, counts[-1])
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
+                    reason="glibc's malloc")
+@pytest.mark.timeout(240)
+def test_kept_memory_is_reused_without_faults_and_a_budget_wins():
+    """keep_freed_memory(): a 64 MiB and an 8 MiB tensor allocated again fault no page once the heap holds them
+    (without the policy: all 18k pages every time). After return_freed_memory() (a budget) the policy is refused,
+    and return_freed_memory() after it gives the heap back and faults again. glibc's variables set by the user
+    leave the process alone."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+
+    def run(order: str, extra: dict | None = None) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", KEEP, order], env={**env, **(extra or {})}, capture_output=True,
+                             text=True, timeout=120, check=True).stdout.rsplit(" ", 1)
+        return out[0], int(out[1])
+
+    assert run("keep") == ("[True]", 0)
+    policy, faults = run("return")
+    assert policy == "[True]" and faults >= 18 << 10  # every page of both, every time
+    policy, faults = run("return,keep")
+    assert policy == "[True, False]" and faults >= 18 << 10  # the budget wins
+    policy, faults = run("keep,return")
+    assert policy == "[True, True]" and faults >= 18 << 10  # kept, then given back
+    policy, faults = run("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"})
+    assert policy == "[False]"  # the user's setting holds
+
+
+def _policy_body(zero: dict) -> dict:
+    import torch
+    from microspeed_zero import host_memory
+
+    import microspeed
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    microspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero,
+                                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    return dict(host_memory._state)
+
+
+@pytest.mark.timeout(240)
+def test_zero_on_the_cpu_keeps_freed_memory_unless_a_budget_is_set():
+    from microspeed.testing import run_distributed
+
+    env = {"MALLOC_TRIM_THRESHOLD_": "", "MALLOC_MMAP_MAX_": "", "MALLOC_MMAP_THRESHOLD_": ""}
+    assert run_distributed(_policy_body, world_size=1, args=({"stage": 2},), env=env) == [{"kept": True}]
+    state = run_distributed(_policy_body, world_size=1, args=({"stage": 2, "host_memory_budget": "8GiB"},), env=env)
+    assert state[0].get("done") is True and not state[0].get("kept")
