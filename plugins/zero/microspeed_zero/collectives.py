@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from microspeed.plugin_api import comm, replica_group
+from microspeed_zero.shm import local_exchange
 
 
 def backend_of(group: Any) -> str:
@@ -66,6 +67,14 @@ def gather_slices(flat: torch.Tensor, local: torch.Tensor, rank: int, world: int
             return comm.all_gather_into_tensor(flat, mine, group=group, async_op=async_op)
         outs = [flat[q * size + lo:q * size + hi] for q in range(world)]
         return comm.all_gather(outs, outs[rank], group=group, async_op=async_op)
+    exchange = local_exchange(group, rank, world)
+    if exchange is not None:
+        comm.stats.record("all_gather_shm", (hi - lo) * flat.element_size() * (world - 1))
+        work = exchange.gather(flat, lo, hi)
+        if not async_op:
+            work.wait()
+            return None
+        return work
     ops = []
     for q in range(world):
         if q == rank:
@@ -113,6 +122,11 @@ class PartitionedReduce:
     def start(self, wire: torch.Tensor, out: torch.Tensor | None, key: Any = None) -> Any:
         """Launch the reduction of ``wire`` asynchronously (``key``: which segment; unused here)."""
         if self.mode == "all_to_all":
+            exchange = local_exchange(self.group, self.rank, self.world)
+            if exchange is not None:
+                nbytes = wire.numel() * wire.element_size()
+                comm.stats.record("all_to_all_shm", nbytes, nbytes * (self.world - 1) // self.world)
+                return exchange.all_to_all(out, wire)
             return comm.all_to_all_single(out, wire, group=self.group, async_op=True)
         if self.mode == "reduce_scatter":
             return comm.reduce_scatter_tensor(out[:wire.numel() // self.world], wire, group=self.group,

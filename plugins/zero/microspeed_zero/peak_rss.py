@@ -19,7 +19,9 @@ the code:
   to the ranks (its accumulator is the wire); stages 2, 3: a staging and a receive buffer, as large as the
   largest segment or, for a larger one, a column chunk of at most ``reduce_bucket_size`` and ``2**23`` values
   (as few chunks as fit, of even widths); none on one rank, where the gradients are added to the partition as
-  they are. Then the NVMe optimizer swapper's slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
+  they are. On several ranks the shared-memory exchange's slots (:mod:`microspeed_zero.shm`), ``world x 4 x`` the
+  largest round (a reduction's wire, a stage-3 gather's slice), at most 2 MiB. Then the NVMe optimizer swapper's
+  slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
   tensors, :meth:`~microspeed_zero.swap.OptimizerSwapper.budget_bytes` — resident as touched, so with no more
   sub-groups than slots the partition's elements once) and the gradient swapper's (its step slots likewise, one
   fp32 sub-group, the norm chunk, and the segment buffers in use at once: one of the largest slice, two with
@@ -59,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from microspeed_zero.chunking import MAX_IN_FLIGHT, chunk_cap, column_width
+from microspeed_zero.chunking import MAX_IN_FLIGHT, chunk_cap, column_width, shm_touched_bytes
 
 __all__ = ["AUTO_FRACTION", "BASELINE", "RUNTIME", "RssPrediction", "activation_bytes", "cgroup_memory_limit",
            "check_budget", "default_budget",
@@ -128,7 +130,7 @@ class RssPrediction:
         rows = [("baseline (interpreter, torch, microspeed)", self.baseline),
                 ("runtime (kernels' code pages, allocator, process group)", self.runtime),
                 ("model states in memory", self.model_states),
-                ("buffers (reduction pool, NVMe swapper slots)", self.buffers),
+                ("buffers (reduction pool, shared-memory exchange, NVMe swapper slots)", self.buffers),
                 ("gathered parameters (stage 3)", self.gathered),
                 ("activations", self.activations),
                 ("unstaged gradients (stage 2, end of backward)", self.unstaged),
@@ -226,6 +228,7 @@ def predict_peak_rss(
     activation_bytes_given: int | None = None,
     model_shape: Mapping[str, int] | None = None,
     baseline: int | None = None,
+    local_exchange: bool | None = None,
 ) -> RssPrediction:
     """Predict one rank's peak RSS (bytes, :class:`RssPrediction`) for ZeRO ``stage`` on ``world_size`` ranks.
 
@@ -246,6 +249,8 @@ def predict_peak_rss(
             model is not GPT-like).
         model_shape: ``d_model``, ``n_layer``, ``vocab_size``, ``n_head`` when the model is given as an int.
         baseline: this process's ``VmRSS`` before building (default :data:`BASELINE`).
+        local_exchange: the ranks exchange through shared memory (:mod:`microspeed_zero.shm`: gloo, one host);
+            default: unless ``MICROSPEED_ZERO_SHM=0`` is set.
     """
     from microspeed_zero.estimator import estimate_memory
 
@@ -254,6 +259,8 @@ def predict_peak_rss(
     estimate_memory(numel, world_size, stage, offload_optimizer, offload_param, precision, optimizer,
                     largest_layer_params)  # checks the arguments as the model-state estimate does
     n, N = numel, world_size
+    if local_exchange is None:
+        local_exchange = os.environ.get("MICROSPEED_ZERO_SHM", "1").strip() != "0"
     p = _BYTES[precision]
     g = _FP32 if grad_accum_fp32 else p
     share = math.ceil(n / N)
@@ -292,8 +299,11 @@ def predict_peak_rss(
 
     # buffers
     buffers = 0
+    round_bytes = p * math.ceil(largest_seg / N) if stage == 3 else 0  # a gather's slice
     if stage == 1 and N > 1:  # the accumulator is the wire: a receive buffer per reduction, segments whole
-        buffers += g * max((math.ceil(s / N) * N for s in segments), default=0) * min(MAX_IN_FLIGHT, len(segments))
+        wire = g * max((math.ceil(s / N) * N for s in segments), default=0)
+        buffers += wire * min(MAX_IN_FLIGHT, len(segments))
+        round_bytes = wire
     elif stage >= 2 and N > 1:  # staging + receive per reduction, a larger segment in column chunks
         cap = chunk_cap(reduce_bucket_size)
         wires, reductions = [], 0
@@ -302,6 +312,9 @@ def predict_peak_rss(
             wires.append(N * width if width else x)
             reductions += math.ceil(x / N / width) if width else 1
         buffers += p * max(wires, default=0) * 2 * min(MAX_IN_FLIGHT, reductions)
+        round_bytes = max(round_bytes, p * max(wires, default=0))
+    if local_exchange and stage >= 1:  # the shared-memory exchange's slots, as far as its rounds fill them
+        buffers += shm_touched_bytes(N, round_bytes)
     if nvme_opt:
         n_sg = max(1, math.ceil(share / int(sub_group_size)))
         widest = min(int(sub_group_size), share)
