@@ -31,10 +31,11 @@ def column_width(padded: int, world: int, cap: int) -> int:
     return -(-width // 64) * 64 if width >= 64 else width
 
 
-SHM_SLOT_BYTES = 2 << 20
+SHM_SLOT_BYTES = 1 << 20
 """Bytes of one rank's slot in ZeRO's shared-memory exchange (:mod:`microspeed_zero.shm`): the most one round of a
-gather or reduction moves from a rank. Measured on stage 3's 45M GPT, 2 ranks: 1-2 MiB the fastest (a slot copied in
-and out while it is in the cache), 8 MiB 5-10 % slower per forward and backward, 512 KiB slower (more signals)."""
+gather or reduction moves from a rank. Measured on stage 3's 45M GPT, 2 ranks (forward / backward ms): 1 MiB 169 /
+346, 2 MiB 168-176 / 331-359, 8 MiB 194 / 366, 512 KiB 170 / 368 (more signals): a slot is copied in and out while it
+is in the cache. 1 MiB keeps the slots' RSS smallest (8 MiB a rank on 2 ranks, 16 on 4)."""
 
 SHM_SLOTS = 4
 """Slots per rank in the shared-memory exchange: rounds in flight before a writer waits for its peers."""

@@ -13,24 +13,25 @@ an 81M-parameter bf16 GPT with parameters and optimizer on NVMe (``benchmarks/ze
 variable ``MALLOC_MMAP_THRESHOLD_`` would; a value the user set in that variable is left alone, and so is any C
 library without ``mallopt`` (not glibc).
 
-Without a peak-RSS budget the opposite policy pays: :func:`keep_freed_memory` (ZeRO on the CPU without offload)
-keeps every freed block in glibc's heap for the next allocation of its size, as a GPU's caching allocator does.
-Autograd allocates every gradient afresh in each backward, and a gradient over 32 MiB (an embedding's, a vocabulary
-head's) is always mapped on its own by default and returned when freed, so each backward faulted in and zeroed the
-model's gradients again, 4 KiB at a time: 40k faults and 150 ms of system CPU per backward of a 45M-parameter GPT on 2
-ranks, and up to 2.6x that much zeroing when another model shared the process. With the heap kept, the backward's
-faults fell to 50 and its time from 495 to 395 ms (stage 3). The peak RSS stays what it was (the same blocks are
-reused every step); the RSS no longer falls back between steps. ``MALLOC_MMAP_MAX_``, ``MALLOC_TRIM_THRESHOLD_``
-or ``MALLOC_MMAP_THRESHOLD_`` in the environment (the user's choice) leave glibc's policy alone. A budget wins: once
-:func:`return_freed_memory` holds, a later engine does not keep memory, and an engine with a budget built after one
-without gives the kept heap back (``malloc_trim``) before fixing the threshold.
-
 The price of the fixed threshold is a page fault for every 4 KiB of every large tensor allocated again (autograd's
 gradients, gathered layers, temporaries): about 5 s of system CPU per rank in each forward + backward of a 0.37B bf16
 GPT on 2 ranks. torch puts its CPU allocations of 2 MiB or more on transparent huge pages (512x fewer faults) when
-``THP_MEM_ALLOC_ENABLE=1`` is in the environment at its first allocation, which only the launch environment can
-promise; :func:`huge_pages_hint` names that fix when it is missing (logged on rank 0 when the policy is first applied).
-It is not set for you: without NVMe offload it measured no faster (0.96-1.16x per engine in paired runs).
+``THP_MEM_ALLOC_ENABLE=1`` is in the environment at its first allocation, which only the launch environment can promise;
+:func:`huge_pages_hint` names that fix when it is missing (logged on rank 0 when the policy is first applied). It is not
+set for you: without NVMe offload it measured no faster (0.96-1.16x per engine in paired runs).
+
+Without a peak-RSS budget the opposite policy pays: :func:`keep_freed_memory` (ZeRO stages 2 and 3 on the CPU without
+offload) keeps every freed block in glibc's heap for the next allocation of its size, as a GPU's caching allocator does.
+Autograd allocates every gradient afresh in each backward, and a gradient over 32 MiB (an embedding's, a vocabulary
+head's) is always mapped on its own by default and returned when freed, so each backward faulted in and zeroed the
+model's gradients again, 4 KiB at a time: 40k faults and 150 ms of system CPU per backward of a 45M-parameter GPT on 2
+ranks, and up to 2.6x that much zeroing when another model shared the process. With the heap kept, the backward's faults
+fell to 50 and its time from 495 to 395 ms (stage 3). The peak RSS stays what it was (the same blocks are reused every
+step); the RSS no longer falls back between steps. Stage 1 does not use it: its whole gradients and whole accumulators
+fragmented the kept heap, and its peak rose from 1066 to 1123 MiB (the same GPT, 4 ranks). ``MALLOC_MMAP_MAX_``,
+``MALLOC_TRIM_THRESHOLD_`` or ``MALLOC_MMAP_THRESHOLD_`` in the environment (the user's choice) leave glibc's policy
+alone. A budget wins: once :func:`return_freed_memory` holds, a later engine does not keep memory, and an engine with a
+budget built after one without gives the kept heap back (``malloc_trim``) before fixing the threshold.
 
 :class:`ReleasablePages` is a flat CPU buffer that is emptied and refilled many times while tensors keep viewing it
 (ZeRO-3's gathered parameters, released after use and gathered again). Giving its memory back by shrinking the storage

@@ -20,7 +20,7 @@ the code:
   largest segment or, for a larger one, a column chunk of at most ``reduce_bucket_size`` and ``2**23`` values
   (as few chunks as fit, of even widths); none on one rank, where the gradients are added to the partition as
   they are. On several ranks the shared-memory exchange's slots (:mod:`microspeed_zero.shm`), ``world x 4 x`` the
-  largest round (a reduction's wire, a stage-3 gather's slice), at most 2 MiB. Then the NVMe optimizer swapper's
+  largest round (a reduction's wire, a stage-3 gather's slice), at most 1 MiB. Then the NVMe optimizer swapper's
   slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
   tensors, :meth:`~microspeed_zero.swap.OptimizerSwapper.budget_bytes` — resident as touched, so with no more
   sub-groups than slots the partition's elements once) and the gradient swapper's (its step slots likewise, one

@@ -64,8 +64,9 @@ class ZeroRuntime:
         self.engine, self.cfg, self.stage = engine, cfg, cfg.stage
         if "nvme" in (cfg.offload_param, cfg.offload_optimizer):  # what a step frees must leave the process
             return_freed_memory()
-        elif cfg.host_memory_budget is None and torch.device(engine.device).type == "cpu":
+        elif cfg.host_memory_budget is None and cfg.stage >= 2 and torch.device(engine.device).type == "cpu":
             keep_freed_memory()  # autograd's fresh gradients reuse the last step's blocks instead of faulting
+            # (not stage 1: its whole accumulators fragment the kept heap, raising the peak RSS)
         topo = engine.topology
         self.group = topo.data_parallel_group
         self.world, self.rank = topo.data_parallel_size, topo.data_parallel_rank

@@ -20,24 +20,27 @@ rank in the same order, as collectives are; each is cut into *rounds* of at most
    peer's piece out of the peer's slot, and acknowledges ``n`` to it.
 
 The waits block in ``select`` (no spinning, the cores stay with the compute) and fail after :data:`TIMEOUT_S`, or at
-once when a peer's pipe closes (the peer exited), with the peer's rank in the message. The mapping and the pipes
-are unlinked from the file system once every rank has opened them, so nothing outlives the processes.
+once when a peer's pipe closes (the peer exited), with the peer's rank in the message. The mapping's pages are
+reserved when it is made (a full ``/dev/shm`` refuses then, instead of killing a rank with ``SIGBUS`` at its first
+write), and the mapping and the pipes are unlinked from the file system once every rank has opened them, so
+nothing outlives the processes. Where any rank cannot set the exchange up, every rank keeps gloo's transport
+(rank 0 logs why).
 
 It serves a gloo process group whose ranks all run on this host (same host name and boot id);
-``MICROSPEED_ZERO_SHM=0`` keeps gloo's transport. Its shared memory (``world x SLOTS x SLOT_BYTES``: 16 MiB on 2
-ranks, 32 on 4) counts in each rank's RSS as far as touched (:func:`~microspeed_zero.chunking.shm_touched_bytes`, a
+``MICROSPEED_ZERO_SHM=0`` keeps gloo's transport. Its shared memory (``world x SLOTS x SLOT_BYTES``: 8 MiB on 2
+ranks, 16 on 4) counts in each rank's RSS as far as touched (:func:`~microspeed_zero.chunking.shm_touched_bytes`, a
 term of the peak-RSS prediction).
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import queue
 import select
 import socket
 import struct
-import tempfile
 import threading
 import uuid
 from collections.abc import Callable
@@ -56,9 +59,23 @@ TIMEOUT_S = 600.0
 ENV = "MICROSPEED_ZERO_SHM"
 """``0`` in the environment: ZeRO's collectives keep gloo's transport."""
 
+SHM_DIR = "/dev/shm"
+"""Where the slots' file and the pipes are made (and unlinked once every rank opened them)."""
+
 _MSG = struct.Struct("<qqq")  # round, operation kind, values in the round
 _KINDS = {1: "gather", 2: "all-to-all"}
 _exchanges: dict[Any, LocalExchange | None] = {}
+
+
+class ExchangeUnavailable(RuntimeError):
+    """Raised on every rank when a :class:`LocalExchange` could not be set up on some rank (the reason named)."""
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def shm_bytes(world: int) -> int:
@@ -76,7 +93,7 @@ def _host_id() -> str:
 
 
 def _usable() -> bool:
-    return os.environ.get(ENV, "1").strip() != "0" and os.path.isdir("/dev/shm") and hasattr(os, "mkfifo")
+    return os.environ.get(ENV, "1").strip() != "0" and os.path.isdir(SHM_DIR) and hasattr(os, "mkfifo")
 
 
 def local_exchange(group: Any, rank: int, world: int) -> LocalExchange | None:
@@ -91,7 +108,12 @@ def local_exchange(group: Any, rank: int, world: int) -> LocalExchange | None:
         facts = [None] * world
         dist.all_gather_object(facts, (_host_id(), _usable()), group=group)
         if all(f == facts[0] for f in facts) and facts[0][1]:
-            ex = LocalExchange(group, rank, world)
+            try:
+                ex = LocalExchange(group, rank, world)
+            except ExchangeUnavailable as exc:
+                if rank == 0:
+                    logging.getLogger("microspeed.zero").warning(
+                        "ZeRO's shared-memory exchange is unavailable (%s): its collectives use gloo's transport", exc)
     _exchanges[key] = ex
     return ex
 
@@ -120,41 +142,70 @@ class LocalExchange:
     """Shared-memory rounds between the ``world`` ranks of ``group``, all on this host (see the module docstring)."""
 
     def __init__(self, group: Any, rank: int, world: int) -> None:
+        """Map the slots and open the pipes, on every rank of ``group`` at once (collective); raises
+        :class:`ExchangeUnavailable` on every rank when any rank could not (then nothing is left behind)."""
         self.group, self.rank, self.world = group, rank, world
         self.global_ranks = [dist.get_global_rank(group, q) if group is not None else q for q in range(world)]
-        names = [f"microspeed-zero-{uuid.uuid4().hex}" if rank == 0 else None]
+        size = shm_bytes(world)
+        names = [None]
+        if rank == 0:  # the mapping's file, its pages reserved now (a full /dev/shm refuses here, not by SIGBUS)
+            name = f"microspeed-zero-{uuid.uuid4().hex}"
+            try:
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                    names[0] = name
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                _unlink(os.path.join(SHM_DIR, name))
+                names[0] = f"!{exc}"
         dist.broadcast_object_list(names, src=self.global_ranks[0], group=group)
         base = names[0]
-        path = os.path.join("/dev/shm", base)
-        size = shm_bytes(world)
-        if rank == 0:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, size)
-            os.close(fd)
-        fifo_dir = tempfile.gettempdir()
+        if base.startswith("!"):
+            raise ExchangeUnavailable(f"rank {self.global_ranks[0]} could not create it in {SHM_DIR}: {base[1:]}")
+        path = os.path.join(SHM_DIR, base)
+        self._fds: list[int] = []
         self._post_in: dict[int, int] = {}
         self._ack_in: dict[int, int] = {}
-        for q in range(world):  # the reader makes and opens (non-blocking) the pipes it reads
-            if q != rank:
-                for kind, table in (("post", self._post_in), ("ack", self._ack_in)):
-                    p = os.path.join(fifo_dir, f"{base}-{kind}-{q}-{rank}")
-                    os.mkfifo(p, 0o600)
-                    table[q] = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
-        dist.barrier(group=group)
-        fd = os.open(path, os.O_RDWR)
-        self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        self._post_out = {q: os.open(os.path.join(fifo_dir, f"{base}-post-{rank}-{q}"), os.O_WRONLY)
+        mine = [os.path.join(SHM_DIR, f"{base}-{kind}-{q}-{rank}") for q in range(world) if q != rank
+                for kind in ("post", "ack")]
+        error = ""
+        try:  # the reader makes and opens (non-blocking) the pipes it reads; every rank maps the slots
+            for q in range(world):
+                if q != rank:
+                    for kind, table in (("post", self._post_in), ("ack", self._ack_in)):
+                        fifo = os.path.join(SHM_DIR, f"{base}-{kind}-{q}-{rank}")
+                        os.mkfifo(fifo, 0o600)
+                        table[q] = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+                        self._fds.append(table[q])
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            error = f"rank {self.global_ranks[rank]}: {exc}"
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=group)
+        failed = [e for e in errors if e]
+        if failed:
+            for f in self._fds:
+                os.close(f)
+            for fifo in mine:
+                _unlink(fifo)
+            if rank == 0:
+                _unlink(path)
+            raise ExchangeUnavailable("; ".join(failed))
+        self._post_out = {q: os.open(os.path.join(SHM_DIR, f"{base}-post-{rank}-{q}"), os.O_WRONLY)
                           for q in range(world) if q != rank}
-        self._ack_out = {q: os.open(os.path.join(fifo_dir, f"{base}-ack-{rank}-{q}"), os.O_WRONLY)
+        self._ack_out = {q: os.open(os.path.join(SHM_DIR, f"{base}-ack-{rank}-{q}"), os.O_WRONLY)
                          for q in range(world) if q != rank}
         dist.barrier(group=group)  # everyone holds every end: the names can go
-        for q in range(world):
-            if q != rank:
-                for kind in ("post", "ack"):
-                    os.unlink(os.path.join(fifo_dir, f"{base}-{kind}-{q}-{rank}"))
+        for fifo in mine:
+            _unlink(fifo)
         if rank == 0:
-            os.unlink(path)
+            _unlink(path)
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._round = 0  # rounds issued (main thread)
         self._acked = {q: -1 for q in self._ack_in}  # last acknowledgement read from each peer (worker)

@@ -203,10 +203,11 @@ def _policy_body(zero: dict) -> dict:
 
 
 @pytest.mark.timeout(240)
-def test_zero_on_the_cpu_keeps_freed_memory_unless_a_budget_is_set():
+def test_zero_stages_2_3_on_the_cpu_keep_freed_memory_unless_a_budget_is_set():
     from microspeed.testing import run_distributed
 
     env = {"MALLOC_TRIM_THRESHOLD_": "", "MALLOC_MMAP_MAX_": "", "MALLOC_MMAP_THRESHOLD_": ""}
     assert run_distributed(_policy_body, world_size=1, args=({"stage": 2},), env=env) == [{"kept": True}]
+    assert run_distributed(_policy_body, world_size=1, args=({"stage": 1},), env=env) == [{}]  # stage 1: glibc's
     state = run_distributed(_policy_body, world_size=1, args=({"stage": 2, "host_memory_budget": "8GiB"},), env=env)
     assert state[0].get("done") is True and not state[0].get("kept")

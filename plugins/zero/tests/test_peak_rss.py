@@ -184,7 +184,7 @@ def test_big_nvme_config_prediction_terms():
     # the 40.96M-value embedding goes in 5 chunks of 2 x 4.096M), and the gradient-swap buffer holds half the
     # embedding
     pool = 2 * 2 * 2 * 8_192_000
-    exchange = 2 * 4 * (2 << 20)  # the shared-memory exchange: 4 slots of 2 MiB per rank, every rank's touched
+    exchange = 2 * 4 * (1 << 20)  # the shared-memory exchange: 4 slots of 1 MiB per rank, every rank's touched
     assert two.buffers == slots + grad_fixed + pool + 2 * 20_480_000 + exchange
     assert one.total == predict_peak_rss(
         model, 1, 3, "nvme", "nvme", "bf16", "adamw", sub_group_size=10**8, buffer_count=2, max_in_cpu=0).total

@@ -168,3 +168,30 @@ def test_stage3_trains_bit_identically_through_the_exchange_and_through_gloo():
         assert a[0] == b[0]
         assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
     assert any("shm" in k for k in shared[0][2]) and not any("shm" in k for k in gloo[0][2]), (shared[0][2], gloo[0][2])
+
+
+def _unavailable_body(bad_rank: int) -> tuple[bool, list[str], bool]:
+    import os
+
+    import torch.distributed as dist
+    from microspeed_zero import collectives, shm
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = set(os.listdir("/dev/shm"))
+    if rank == bad_rank:
+        shm.SHM_DIR = "/proc"  # a directory where nothing can be made
+    ex = shm.local_exchange(None, rank, world)
+    dist.barrier()  # every rank done cleaning up
+    left = sorted(n for n in set(os.listdir("/dev/shm")) - before if n.startswith("microspeed-zero"))
+    flat = torch.zeros(world * 4)
+    flat[rank * 4:(rank + 1) * 4] = rank + 1.0
+    collectives.gather_slices(flat, flat[rank * 4:(rank + 1) * 4], rank, world, None, False)  # over gloo, then
+    return ex is None, left, torch.equal(flat, torch.arange(1.0, world + 1).repeat_interleave(4))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_rank_that_cannot_set_it_up_leaves_every_rank_on_gloo(bad_rank: int):
+    """Rank 0 cannot make the slots' file, or rank 1 its pipes: every rank gets no exchange (agreed, not a hang),
+    nothing is left in /dev/shm, and the gathers run over gloo."""
+    assert run_distributed(_unavailable_body, world_size=2, args=(bad_rank,), timeout=200) == [(True, [], True)] * 2
