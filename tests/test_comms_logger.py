@@ -105,3 +105,43 @@ def test_section_configures_the_process_logger():
         microspeed.initialize(model=model, config={"train_batch_size": 2, "comms_logger": {"prof_ops": [1]}})
     with pytest.raises(microspeed.ConfigError, match="comms_logger"):
         microspeed.initialize(model=model, config={"train_batch_size": 2, "comms_logger": {"verbos": True}})
+
+
+def _observed_body() -> tuple[list[str], dict, dict]:
+    import torch
+    import torch.distributed as dist
+
+    from microspeed import comm
+
+    events: list[str] = []
+
+    class Seen(comm.CollectiveObserver):
+        def collective_start(self, call):
+            events.append(f"start {call.op} {call.nbytes}")
+
+        def collective_launched(self, call):
+            events.append("launched")
+
+        def collective_end(self, call, exc):
+            events.append(f"end {exc is None}")
+
+    x = torch.arange(8.0) + 10 * dist.get_rank()
+    out = torch.empty_like(x)
+    comm.stats.reset()
+    comm.add_observer(Seen())
+    work = comm.observed("all_to_all_single", x, None, True,  # a transport of the caller's own: here, gloo's itself
+                         lambda o, i: dist.all_to_all_single(o, i, async_op=True), out, x)
+    work.wait()
+    r = dist.get_rank()
+    assert all(out[4 * q:4 * q + 4].tolist() == (torch.arange(4.0) + 4 * r + 10 * q).tolist() for q in (0, 1))
+    return events, dict(comm.stats.bytes), dict(comm.stats.wire)
+
+
+def test_a_collective_on_a_transport_of_ones_own_is_counted_and_observed():
+    """``comm.observed``: a plugin's own transport (ZeRO's shared-memory exchange) counts its bytes and tells the
+    observers as microspeed's wrappers do: 32 payload bytes, 16 on the wire for an all-to-all of 2 ranks."""
+    from microspeed.testing import run_distributed
+
+    for events, nbytes, wire in run_distributed(_observed_body, world_size=2, timeout=120):
+        assert events == ["start all_to_all_single 32", "launched", "end True"], events
+        assert nbytes == {"all_to_all_single": 32} and wire == {"all_to_all_single": 16}

@@ -35,6 +35,7 @@ from microspeed.comm.collectives import (
     broadcast,
     get_all_ranks_from_group,
     inference_all_reduce,
+    observed,
     reduce_scatter,
     reduce_scatter_tensor,
 )
@@ -83,8 +84,8 @@ __all__ = [
     "convert_size", "current", "deactivate", "default_backend", "default_context", "destroy_process_group",
     "device", "get_all_ranks_from_group", "get_global_rank", "get_local_rank", "get_rank", "get_world_group",
     "get_world_size", "group_label", "inference_all_reduce", "init_distributed", "is_initialized", "log_summary",
-    "new_group", "observers", "reduce_scatter", "reduce_scatter_tensor", "remove_observer", "reset_log", "stats",
-    "trim_mean", "wait_for_ranks", "wire_bytes", "_nbytes", "_nbytes_list", "_observe",
+    "new_group", "observed", "observers", "reduce_scatter", "reduce_scatter_tensor", "remove_observer", "reset_log",
+    "stats", "trim_mean", "wait_for_ranks", "wire_bytes", "_nbytes", "_nbytes_list", "_observe",
 ]
 
 

@@ -280,6 +280,20 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     return dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
 
 
+def observed(op: str, tensor: torch.Tensor | None, group: Any, async_op: bool, fn: Any, /, *args: Any,
+             **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)``: collective ``op`` carried by a transport of the caller's own (a plugin's
+    shared-memory exchange between the ranks of one host, say), counted in the stats and told to the observers
+    (tracing, the watchdog, the comms logger) as microspeed's wrappers count and tell theirs. ``tensor`` is the
+    payload (its bytes are counted, as the wrapper of ``op`` counts its input); with ``async_op`` ``fn`` returns a
+    work with ``wait()``, which the observers see waited."""
+    nbytes = _nbytes(tensor) if tensor is not None else 0
+    ctx = _count(op, nbytes, group)
+    if ctx.observers:
+        return _observe(op, nbytes, group, async_op, tensor, fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
                       input_split_sizes: list[int] | None = None, group: Any = None, async_op: bool = False) -> Any:
     """``dist.all_to_all_single`` (input bytes counted); a local copy on a one-rank group."""

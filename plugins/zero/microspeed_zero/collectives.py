@@ -5,7 +5,9 @@ here ``all_gather_into_tensor`` took 411 ms where sending each rank's slice stra
 peer (``batch_isend_irecv``) took 124 ms (4 ranks: 682 vs 236 ms), and ``reduce_scatter_tensor``
 took about twice an all-reduce. So on gloo a segment is gathered with point-to-point sends into
 the flat buffer's slices, and reduced with ``all_to_all_single`` (each rank receives every rank's
-copy of its own slice) followed by a local sum. NCCL keeps its native collectives.
+copy of its own slice) followed by a local sum. Between the ranks of one host both go through shared memory
+instead (:mod:`microspeed_zero.shm`), counted and told to the observers as the collective they implement
+(``comm.observed``). NCCL keeps its native collectives.
 
 With a :class:`~microspeed.plugin_api.GradientCompression` attached (the 1-bit optimizers),
 :class:`CompressedPartitionedReduce` replaces the exact reduction of the steps the optimizer marks
@@ -68,9 +70,8 @@ def gather_slices(flat: torch.Tensor, local: torch.Tensor, rank: int, world: int
         outs = [flat[q * size + lo:q * size + hi] for q in range(world)]
         return comm.all_gather(outs, outs[rank], group=group, async_op=async_op)
     exchange = local_exchange(group, rank, world)
-    if exchange is not None:
-        comm.stats.record("all_gather_shm", (hi - lo) * flat.element_size() * (world - 1))
-        work = exchange.gather(flat, lo, hi)
+    if exchange is not None:  # the ranks of one host: through shared memory, counted and observed as the gather
+        work = comm.observed("all_gather_into_tensor", mine[lo:hi], group, True, exchange.gather, flat, lo, hi)
         if not async_op:
             work.wait()
             return None
@@ -123,10 +124,8 @@ class PartitionedReduce:
         """Launch the reduction of ``wire`` asynchronously (``key``: which segment; unused here)."""
         if self.mode == "all_to_all":
             exchange = local_exchange(self.group, self.rank, self.world)
-            if exchange is not None:
-                nbytes = wire.numel() * wire.element_size()
-                comm.stats.record("all_to_all_shm", nbytes, nbytes * (self.world - 1) // self.world)
-                return exchange.all_to_all(out, wire)
+            if exchange is not None:  # the ranks of one host: through shared memory, counted and observed the same
+                return comm.observed("all_to_all_single", wire, self.group, True, exchange.all_to_all, out, wire)
             return comm.all_to_all_single(out, wire, group=self.group, async_op=True)
         if self.mode == "reduce_scatter":
             return comm.reduce_scatter_tensor(out[:wire.numel() // self.world], wire, group=self.group,

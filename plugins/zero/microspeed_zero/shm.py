@@ -26,7 +26,8 @@ write), and the mapping and the pipes are unlinked from the file system once eve
 nothing outlives the processes. Where any rank cannot set the exchange up, every rank keeps gloo's transport
 (rank 0 logs why).
 
-It serves a gloo process group whose ranks all run on this host (same host name and boot id);
+It serves a gloo process group whose ranks all run on this host (same host name, boot id, network and mount
+namespaces);
 ``MICROSPEED_ZERO_SHM=0`` keeps gloo's transport. Its shared memory (``world x SLOTS x SLOT_BYTES``: 8 MiB on 2
 ranks, 16 on 4) counts in each rank's RSS as far as touched (:func:`~microspeed_zero.chunking.shm_touched_bytes`, a
 term of the peak-RSS prediction).
@@ -84,12 +85,20 @@ def shm_bytes(world: int) -> int:
 
 
 def _host_id() -> str:
+    """This process's host as far as sharing memory goes: host name, boot id, and its network and mount namespaces
+    (ranks in containers or namespaces of their own, such as the tests' simulated machines, count as other hosts)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    spaces = []
+    for ns in ("net", "mnt"):
+        try:
+            spaces.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+        except OSError:
+            spaces.append("")
+    return "/".join([socket.gethostname(), boot, *spaces])
 
 
 def _usable() -> bool:
@@ -212,6 +221,11 @@ class LocalExchange:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._worker = threading.Thread(target=self._run, name=f"zero-shm-{rank}", daemon=True)
         self._worker.start()
+
+    @property
+    def rounds(self) -> int:
+        """Rounds issued so far (every operation takes at least one)."""
+        return self._round
 
     # -- the slots ------------------------------------------------------------------------------
 

@@ -753,7 +753,13 @@ class ParameterPartitioner:
                 self.store.write(f"shard{seg.index}", shard)
             return
         if seg.persistent:
+            pending = self.works.pop(seg.index, None)
+            if pending is not None:  # a refresh no module waited for (its module did not run)
+                pending.wait()
             self.works[seg.index] = _gather_into(self.flats[seg.index], self.shards[seg.index], seg.group, True)
+            self._set_status(seg, INFLIGHT)  # its next use waits (fetch), and so does a use on access
+            for p in seg.params:
+                watch(p)
 
     def wait_all(self) -> None:
         """Wait for every pending gather (before reading parameters outside forward)."""

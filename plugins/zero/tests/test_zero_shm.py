@@ -127,7 +127,7 @@ def test_the_environment_can_keep_gloo():
     assert run_distributed(_which_body, world_size=2, timeout=200, env={"MICROSPEED_ZERO_SHM": "0"}) == [False, False]
 
 
-def _train_body() -> tuple[list[float], list[torch.Tensor], dict]:
+def _train_body() -> tuple[list[float], list[torch.Tensor], tuple[int, int]]:
     import torch.distributed as dist
     from microspeed_zero import shm
 
@@ -156,8 +156,8 @@ def _train_body() -> tuple[list[float], list[torch.Tensor], dict]:
         losses.append(float(loss))
     with GatheredParameters(list(engine.module.parameters())):
         weights = [p.detach().clone() for p in engine.module.parameters()]
-    kinds = {k: v for k, v in comm.stats.calls.items() if "shm" in k or "p2p" in k or "all_to_all" in k}
-    return losses, weights, kinds
+    rounds = sum(ex.rounds for ex in shm._exchanges.values() if ex is not None)
+    return losses, weights, (rounds, comm.stats.calls.get("all_to_all_single", 0))
 
 
 @pytest.mark.timeout(400)
@@ -167,7 +167,9 @@ def test_stage3_trains_bit_identically_through_the_exchange_and_through_gloo():
     for a, b in zip(shared, gloo, strict=True):
         assert a[0] == b[0]
         assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
-    assert any("shm" in k for k in shared[0][2]) and not any("shm" in k for k in gloo[0][2]), (shared[0][2], gloo[0][2])
+    # through the exchange (rounds run) and through gloo (none), the reductions counted as the same collective
+    (rounds, reductions), (gloo_rounds, gloo_reductions) = shared[0][2], gloo[0][2]
+    assert rounds > 0 and gloo_rounds == 0 and reductions == gloo_reductions > 0, (shared[0][2], gloo[0][2])
 
 
 def _unavailable_body(bad_rank: int) -> tuple[bool, list[str], bool]:
