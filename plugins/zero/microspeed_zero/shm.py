@@ -19,7 +19,7 @@ rank in the same order, as collectives are; each is cut into *rounds* of at most
    different gathers or reductions fail, naming each other, where gloo would hang or mix the data), copies the
    peer's piece out of the peer's slot, and acknowledges ``n`` to it.
 
-The waits block in ``select`` (no spinning, the cores stay with the compute) and fail after :data:`TIMEOUT_S`, or at
+The waits block in ``poll`` (no spinning, the cores stay with the compute) and fail after :data:`TIMEOUT_S`, or at
 once when a peer's pipe closes (the peer exited), with the peer's rank in the message. The mapping's pages are
 reserved when it is made (a full ``/dev/shm`` refuses then, instead of killing a rank with ``SIGBUS`` at its first
 write), and the mapping and the pipes are unlinked from the file system once every rank has opened them, so
@@ -238,7 +238,8 @@ class LocalExchange:
 
     def gather(self, flat: torch.Tensor, lo: int, hi: int) -> ExchangeWork:
         """Fill elements ``lo:hi`` of every rank's slice of ``flat`` (``world`` equal slices) from that rank's own
-        slice, which this rank has written already. Asynchronous: ``wait()`` the returned work."""
+        slice, which this rank has written already. Asynchronous: ``wait()`` the returned work; until then ``flat``
+        must not change (the worker reads this rank's slice when its round comes, as gloo's sends do)."""
         size = flat.numel() // self.world
         mine = flat[self.rank * size:(self.rank + 1) * size]
         per = max(1, SLOT_BYTES // flat.element_size())
@@ -316,9 +317,10 @@ class LocalExchange:
 
     def _recv(self, fd: int, q: int, what: str) -> tuple[int, int, int]:
         buf = b""
+        poller = select.poll()  # not select(): a descriptor past 1023 (a process with many files open) is fine
+        poller.register(fd, select.POLLIN)
         while len(buf) < _MSG.size:
-            ready, _, _ = select.select([fd], [], [], TIMEOUT_S)
-            if not ready:
+            if not poller.poll(TIMEOUT_S * 1000):
                 raise TimeoutError(f"ZeRO shared-memory exchange: rank {self.global_ranks[q]} sent no {what} in "
                                    f"{TIMEOUT_S:.0f} s (a rank stopped issuing ZeRO's collectives, or hangs).")
             try:
