@@ -40,6 +40,16 @@ is in the cache. 1 MiB keeps the slots' RSS smallest (8 MiB a rank on 2 ranks, 1
 SHM_SLOTS = 4
 """Slots per rank in the shared-memory exchange: rounds in flight before a writer waits for its peers."""
 
+SHM_ENV = "MICROSPEED_ZERO_SHM"
+"""``0`` in the environment: ZeRO's collectives keep gloo's transport (no shared-memory exchange)."""
+
+
+def shm_enabled() -> bool:
+    """Whether the environment leaves the shared-memory exchange on (:data:`SHM_ENV` is not ``0``)."""
+    import os
+
+    return os.environ.get(SHM_ENV, "1").strip() != "0"
+
 
 def shm_touched_bytes(world: int, round_bytes: int) -> int:
     """Bytes of the shared-memory exchange each of ``world`` ranks touches (its own slots, written, and its peers',

@@ -61,7 +61,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from microspeed_zero.chunking import MAX_IN_FLIGHT, chunk_cap, column_width, shm_touched_bytes
+from microspeed_zero.chunking import MAX_IN_FLIGHT, chunk_cap, column_width, shm_enabled, shm_touched_bytes
 
 __all__ = ["AUTO_FRACTION", "BASELINE", "RUNTIME", "RssPrediction", "activation_bytes", "cgroup_memory_limit",
            "check_budget", "default_budget",
@@ -260,7 +260,7 @@ def predict_peak_rss(
                     largest_layer_params)  # checks the arguments as the model-state estimate does
     n, N = numel, world_size
     if local_exchange is None:
-        local_exchange = os.environ.get("MICROSPEED_ZERO_SHM", "1").strip() != "0"
+        local_exchange = shm_enabled()
     p = _BYTES[precision]
     g = _FP32 if grad_accum_fp32 else p
     share = math.ceil(n / N)

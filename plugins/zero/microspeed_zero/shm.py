@@ -50,15 +50,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from microspeed_zero.chunking import SHM_SLOT_BYTES, SHM_SLOTS
+from microspeed_zero.chunking import SHM_ENV, SHM_SLOT_BYTES, SHM_SLOTS, shm_enabled
 
 SLOT_BYTES, SLOTS = SHM_SLOT_BYTES, SHM_SLOTS  # (microspeed_zero.chunking: the peak-RSS prediction reads them)
 
 TIMEOUT_S = 600.0
 """Seconds a round waits for a peer before it fails."""
 
-ENV = "MICROSPEED_ZERO_SHM"
-"""``0`` in the environment: ZeRO's collectives keep gloo's transport."""
+ENV = SHM_ENV  # (microspeed_zero.chunking, read by the peak-RSS prediction too)
 
 SHM_DIR = "/dev/shm"
 """Where the slots' file and the pipes are made (and unlinked once every rank opened them)."""
@@ -102,7 +101,7 @@ def _host_id() -> str:
 
 
 def _usable() -> bool:
-    return os.environ.get(ENV, "1").strip() != "0" and os.path.isdir(SHM_DIR) and hasattr(os, "mkfifo")
+    return shm_enabled() and os.path.isdir(SHM_DIR) and hasattr(os, "mkfifo")
 
 
 def local_exchange(group: Any, rank: int, world: int) -> LocalExchange | None:
