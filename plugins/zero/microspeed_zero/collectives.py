@@ -132,6 +132,21 @@ class PartitionedReduce:
                                               async_op=True)
         return comm.all_reduce(wire, group=self.group, async_op=True)
 
+    def start_into(self, wire: torch.Tensor, target: torch.Tensor, post: float, accumulate: bool) -> Any:
+        """Launch the reduction of ``wire`` summed straight into ``target`` (this rank's slice, ``target.numel()``
+        columns of every row) where the transport can sum as it receives — the shared-memory exchange between the
+        ranks of one host, no receive buffer — and return its work; ``None`` where it cannot (then :meth:`start`).
+        ``accumulate``: ``target += row * post`` per rank's row, else ``target = sum(rows) * post``; either in rank
+        order, as the reducer sums :meth:`rows`. Counted and observed as the ``all_to_all_single`` it replaces (the
+        same bytes cross between the ranks)."""
+        if self.mode != "all_to_all":
+            return None
+        exchange = local_exchange(self.group, self.rank, self.world)
+        if exchange is None:
+            return None
+        return comm.observed("all_to_all_single", wire, self.group, True, exchange.reduce_scatter, wire, target, post,
+                             accumulate)
+
     def rows(self, wire: torch.Tensor, out: torch.Tensor | None, shard: int) -> list[torch.Tensor]:
         """After the wait: tensors whose sum is this rank's reduced slice (of length ``shard``)."""
         if self.mode == "all_to_all":
@@ -179,6 +194,11 @@ class CompressedPartitionedReduce:
         """Elements of the output buffer of a wire of ``numel`` (the exact collective's; a compressed step has its
         own receive buffer)."""
         return self.exact.out_numel(numel)
+
+    def start_into(self, wire: torch.Tensor, target: torch.Tensor, post: float, accumulate: bool) -> Any:
+        """The exact collective's :meth:`PartitionedReduce.start_into` on a step that is not compressed; ``None``
+        on one that is (its chunks are decoded and summed by :meth:`rows`)."""
+        return None if self.compressing() else self.exact.start_into(wire, target, post, accumulate)
 
     def layout(self, segment: Any, numel: int) -> _Layout:
         """Where each value of a wire of ``numel`` values goes in the compressed chunks (built once per segment)."""

@@ -19,7 +19,9 @@ the code:
   to the ranks (its accumulator is the wire); stages 2, 3: a staging and a receive buffer, as large as the
   largest segment or, for a larger one, a column chunk of at most ``reduce_bucket_size`` and ``2**23`` values
   (as few chunks as fit, of even widths); none on one rank, where the gradients are added to the partition as
-  they are. On several ranks the shared-memory exchange's slots (:mod:`microspeed_zero.shm`), ``world x 4 x`` the
+  they are. No receive buffers through the shared-memory exchange, which sums into the rank's slice as it receives
+  (unless the gradients are in the NVMe files). On several ranks the shared-memory exchange's slots
+  (:mod:`microspeed_zero.shm`), ``world x 4 x`` the
   largest round (a reduction's wire, a stage-3 gather's slice), at most 1 MiB. Then the NVMe optimizer swapper's
   slots (``buffer_count x`` the largest sub-group ``x 4 bytes x`` its
   tensors, :meth:`~microspeed_zero.swap.OptimizerSwapper.budget_bytes` — resident as touched, so with no more
@@ -300,9 +302,12 @@ def predict_peak_rss(
     # buffers
     buffers = 0
     round_bytes = p * math.ceil(largest_seg / N) if stage == 3 else 0  # a gather's slice
+    # the shared-memory exchange sums each reduction into the rank's slice as it receives it: no receive buffers
+    # (but with the gradients in the NVMe files, summed into the slice once it is read back)
+    summed = local_exchange and not (nvme_opt and stage >= 2)
     if stage == 1 and N > 1:  # the accumulator is the wire: a receive buffer per reduction, segments whole
         wire = g * max((math.ceil(s / N) * N for s in segments), default=0)
-        buffers += wire * min(MAX_IN_FLIGHT, len(segments))
+        buffers += 0 if summed else wire * min(MAX_IN_FLIGHT, len(segments))
         round_bytes = wire
     elif stage >= 2 and N > 1:  # staging + receive per reduction, a larger segment in column chunks
         cap = chunk_cap(reduce_bucket_size)
@@ -311,7 +316,7 @@ def predict_peak_rss(
             width = column_width(x, N, cap)
             wires.append(N * width if width else x)
             reductions += math.ceil(x / N / width) if width else 1
-        buffers += p * max(wires, default=0) * 2 * min(MAX_IN_FLIGHT, reductions)
+        buffers += p * max(wires, default=0) * (1 if summed else 2) * min(MAX_IN_FLIGHT, reductions)
         round_bytes = max(round_bytes, p * max(wires, default=0))
     if local_exchange and stage >= 1:  # the shared-memory exchange's slots, as far as its rounds fill them
         buffers += shm_touched_bytes(N, round_bytes)

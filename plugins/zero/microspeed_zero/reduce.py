@@ -27,7 +27,9 @@
 
 The collective is chosen per backend (``reduce_scatter: true``,
 :class:`microspeed_zero.collectives.PartitionedReduce`): gloo ``all_to_all_single`` plus a local
-sum, NCCL ``reduce_scatter_tensor``; ``reduce_scatter: false`` all-reduces the whole bucket.
+sum, NCCL ``reduce_scatter_tensor``; ``reduce_scatter: false`` all-reduces the whole bucket. Between the ranks of
+one host the gloo exchange goes through shared memory, which sums each round into the rank's slice as it receives
+it (:meth:`~microspeed_zero.collectives.PartitionedReduce.start_into`): no receive buffer, the same sums.
 Staging and receive buffers come from a small pool (:class:`BufferPool`), allocated once (fresh large
 allocations cost page faults every step on CPU) and no more of them than were ever in use at once.
 Scaling follows DeepSpeed's ``prescale_gradients`` / ``gradient_predivide_factor``.
@@ -44,6 +46,10 @@ import torch
 from microspeed_zero.chunking import MAX_IN_FLIGHT, chunk_cap, column_width
 from microspeed_zero.collectives import PartitionedReduce, partitioned_reduce
 from microspeed_zero.partition import Segment
+
+SUMMED = "summed"
+"""A pending reduction's marker (in place of its columns) when the transport summed it into the slice itself
+(:meth:`~microspeed_zero.collectives.PartitionedReduce.start_into`): nothing is left to add at its wait."""
 
 
 class Scaling:
@@ -152,10 +158,30 @@ class GradientReducer:
         if self.scaling.pre != 1.0:
             wire.mul_(self.scaling.pre)
         collective = self.collectives[id(seg.group)]
+        target = self._sum_target(seg)
+        work = (collective.start_into(wire, target, self.scaling.post, self.stage >= 2) if target is not None
+                else None)
+        if work is not None:  # the transport sums into the slice as it receives: no receive buffer
+            self.pending.append((seg, (wire, None, pooled), work, SUMMED))
+            return
         out = (self.pool.get(collective.out_numel(wire.numel()), wire.dtype, wire.device) if collective.needs_out
                else None)
         work = collective.start(wire, out, seg)
         self.pending.append((seg, (wire, out, pooled), work, None))
+
+    def _sum_target(self, seg: Segment) -> torch.Tensor | None:
+        """Where ``seg``'s reduced slice is summed when the transport can sum into it: stage 1, this rank's slice
+        of the accumulator; stages 2, 3, its partition slice when in memory (``None`` with the slice in the NVMe
+        files, read back only when the reduction is finished)."""
+        acc = self.acc.get(seg.index)
+        if acc is None:
+            return None
+        if self.stage == 1:
+            start, _ = seg.slice_of(seg.rank)
+            return acc[start:start + seg.shard_size]
+        if self.gradients is not None and self.gradients.holds(seg.index):
+            return None
+        return acc[:seg.shard_size]
 
     def _wait_below(self, n: int) -> None:
         """Finish the oldest reductions until fewer than ``n`` are in flight (bounds the pooled buffers)."""
@@ -231,9 +257,14 @@ class GradientReducer:
         if self.scaling.pre != 1.0:
             wire.mul_(self.scaling.pre)
         collective = self.collectives[id(seg.group)]
-        out = self.pool.get(collective.out_numel(wire.numel()), dtype, device)
-        work = collective.start(wire, out, seg)
-        self.pending.append((seg, (wire, out, wire), work, (a, b)))
+        files = self.gradients is not None and self.gradients.holds(seg.index)
+        work = None if files else collective.start_into(wire, self.acc[seg.index][a:b], self.scaling.post, True)
+        if work is not None:  # summed into the partition's columns as received: no receive buffer
+            self.pending.append((seg, (wire, None, wire), work, SUMMED))
+        else:
+            out = self.pool.get(collective.out_numel(wire.numel()), dtype, device)
+            work = collective.start(wire, out, seg)
+            self.pending.append((seg, (wire, out, wire), work, (a, b)))
         if b == shard:
             for p in seg.params:
                 p.grad = None
@@ -261,10 +292,13 @@ class GradientReducer:
             p.grad = None
         return buf, buf
 
-    def _finish(self, seg: Segment, bufs: tuple, work: Any, columns: tuple[int, int] | None) -> None:
+    def _finish(self, seg: Segment, bufs: tuple, work: Any, columns: tuple[int, int] | str | None) -> None:
         if work is not None:
             work.wait()
         wire, out, pooled = bufs
+        if columns is SUMMED:  # the transport summed it into the slice already
+            self.pool.put(pooled)
+            return
         if columns is not None:
             self._finish_columns(seg, wire, out, columns)
             self.pool.put(out)

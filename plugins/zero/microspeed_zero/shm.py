@@ -63,8 +63,23 @@ SHM_DIR = "/dev/shm"
 """Where the slots' file and the pipes are made (and unlinked once every rank opened them)."""
 
 _MSG = struct.Struct("<qqq")  # round, operation kind, values in the round
-_KINDS = {1: "gather", 2: "all-to-all"}
+_KINDS = {1: "gather", 2: "all-to-all", 3: "reduce-scatter"}
+_REDUCE = 3  # a round whose reads are one sum over every rank's slot (in rank order), then the acknowledgements
 _exchanges: dict[Any, LocalExchange | None] = {}
+
+
+def _sum_rows(target: torch.Tensor, rows: list[torch.Tensor], post: float, accumulate: bool) -> None:
+    """``target += row * post`` per row in order (``accumulate``), else ``target = sum(rows) * post``: the reducer's
+    own arithmetic (:meth:`microspeed_zero.reduce.GradientReducer._finish`), on one round's columns."""
+    if accumulate:
+        for row in rows:
+            target.add_(row, alpha=post)
+        return
+    target.copy_(rows[0])
+    for row in rows[1:]:
+        target.add_(row)
+    if post != 1.0:
+        target.mul_(post)
 
 
 class ExchangeUnavailable(RuntimeError):
@@ -254,17 +269,37 @@ class LocalExchange:
         """``all_to_all_single(out, wire)`` with equal rows: row ``q`` of ``out`` gets row ``rank`` of rank ``q``'s
         ``wire``. Asynchronous: ``wait()`` the returned work."""
         rows_in, rows_out = wire.view(self.world, -1), out.view(self.world, -1)
-        cols = rows_in.shape[1]
         rows_out[self.rank].copy_(rows_in[self.rank])
-        per = max(1, SLOT_BYTES // (wire.element_size() * self.world))
+        return self._submit(self._column_rounds(
+            rows_in, rows_in.shape[1], 2,
+            lambda q, src, a, b, w: rows_out[q, a:b].copy_(src.view(self.world, w)[self.rank])))
+
+    def reduce_scatter(self, wire: torch.Tensor, target: torch.Tensor, post: float, accumulate: bool) -> ExchangeWork:
+        """Sum row ``rank`` of every rank's ``wire`` (``world`` equal rows; the first ``target.numel()`` columns)
+        into ``target`` without a receive buffer: the worker adds each round's columns from the peers' slots.
+
+        ``accumulate``: ``target += row_q * post`` for ``q`` in rank order (ZeRO-2/3's partition); else ``target =
+        (row_0 + ... + row_{world-1}) * post`` (ZeRO-1's slice of its accumulator, which may be this rank's own row
+        of ``wire``: the sum reads that row from this rank's slot). Element by element the same operations, in the
+        same order, as summing the rows an :meth:`all_to_all` delivers, so the result is bit-identical.
+        Asynchronous: ``wait()`` the returned work; until then neither ``wire`` nor ``target`` may change."""
+        return self._submit(self._column_rounds(
+            wire.view(self.world, -1), target.numel(), _REDUCE,
+            lambda slots, a, b, w: _sum_rows(target[a:b], [s.view(self.world, w)[self.rank] for s in slots], post,
+                                             accumulate)))
+
+    def _column_rounds(self, rows_in: torch.Tensor, cols: int, kind: int, read: Callable) -> list[tuple]:
+        """Rounds of ``world x w`` columns of ``rows_in`` each (one slot): the write copies them into this rank's
+        slot; ``read(..., a, b, w)`` gets the peer and its slot (or, for a reduction, every rank's slot)."""
+        per = max(1, SLOT_BYTES // (rows_in.element_size() * self.world))
         rounds = []
         for a in range(0, cols, per):
             b = min(cols, a + per)
             w = b - a
             rounds.append((lambda dst, a=a, b=b, w=w: dst.view(self.world, w).copy_(rows_in[:, a:b]),
-                           lambda q, src, a=a, b=b, w=w: rows_out[q, a:b].copy_(src.view(self.world, w)[self.rank]),
-                           wire.dtype, w * self.world, 2))
-        return self._submit(rounds)
+                           lambda *got, a=a, b=b, w=w: read(*got, a, b, w),
+                           rows_in.dtype, w * self.world, kind))
+        return rounds
 
     def _submit(self, rounds: list[tuple[Callable, Callable, torch.dtype, int, int]]) -> ExchangeWork:
         work = ExchangeWork()
@@ -296,16 +331,25 @@ class LocalExchange:
         msg = _MSG.pack(n, kind, numel)
         for q, fd in self._post_out.items():
             self._send(fd, q, msg)
+        if kind == _REDUCE:  # 3. every slot posted, one sum over all of them in rank order, then the acks
+            for q, fd in self._post_in.items():
+                self._check(self._recv(fd, q, "slot"), q, n, kind, numel)
+            read([self.slot(q, n, dtype, numel) for q in range(self.world)])
+            for q in self._post_in:
+                self._send(self._ack_out[q], q, msg)
+            return
         for q, fd in self._post_in.items():  # 3. read each peer's slot once it is posted, acknowledge it
-            got = self._recv(fd, q, "slot")
-            if got != (n, kind, numel):
-                raise RuntimeError(
-                    f"ZeRO shared-memory exchange: rank {self.global_ranks[q]} posted round {got[0]} of a "
-                    f"{_KINDS.get(got[1], '?')} of {got[2]} values where rank {self.global_ranks[self.rank]}'s round "
-                    f"{n} is a {_KINDS[kind]} of {numel}: the ranks issued different gathers or reductions, or in "
-                    f"different orders (set {ENV}=0 to compare with gloo's transport).")
+            self._check(self._recv(fd, q, "slot"), q, n, kind, numel)
             read(q, self.slot(q, n, dtype, numel))
             self._send(self._ack_out[q], q, msg)
+
+    def _check(self, got: tuple[int, int, int], q: int, n: int, kind: int, numel: int) -> None:
+        if got != (n, kind, numel):
+            raise RuntimeError(
+                f"ZeRO shared-memory exchange: rank {self.global_ranks[q]} posted round {got[0]} of a "
+                f"{_KINDS.get(got[1], '?')} of {got[2]} values where rank {self.global_ranks[self.rank]}'s round "
+                f"{n} is a {_KINDS[kind]} of {numel}: the ranks issued different gathers or reductions, or in "
+                f"different orders (set {ENV}=0 to compare with gloo's transport).")
 
     def _send(self, fd: int, q: int, msg: bytes) -> None:
         try:

@@ -127,7 +127,7 @@ def test_the_environment_can_keep_gloo():
     assert run_distributed(_which_body, world_size=2, timeout=200, env={"MICROSPEED_ZERO_SHM": "0"}) == [False, False]
 
 
-def _train_body() -> tuple[list[float], list[torch.Tensor], tuple[int, int]]:
+def _train_body(stage: int, gas: int) -> tuple[list[float], list[torch.Tensor], tuple[int, int], int]:
     import torch.distributed as dist
     from microspeed_zero import shm
 
@@ -140,15 +140,15 @@ def _train_body() -> tuple[list[float], list[torch.Tensor], tuple[int, int]]:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32))
-    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-           "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000, "stage3_param_persistence_threshold": 0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, "stage3_param_persistence_threshold": 0,
                                  "stage3_max_reuse_distance": 0},
            "steps_per_print": 10_000}
     engine, *_ = microspeed.initialize(model=model, config=cfg)
     gen = torch.Generator().manual_seed(5)
     losses = []
-    for _ in range(4):
+    for _ in range(4 * gas):
         x = torch.randint(0, 64, (2 * world, 17), generator=gen)[2 * rank:2 * rank + 2]
         loss = engine(x[:, :-1], x[:, 1:])
         engine.backward(loss)
@@ -157,16 +157,25 @@ def _train_body() -> tuple[list[float], list[torch.Tensor], tuple[int, int]]:
     with GatheredParameters(list(engine.module.parameters())):
         weights = [p.detach().clone() for p in engine.module.parameters()]
     rounds = sum(ex.rounds for ex in shm._exchanges.values() if ex is not None)
-    return losses, weights, (rounds, comm.stats.calls.get("all_to_all_single", 0))
+    pool = engine.plugin_state("zero").reducer.pool.free
+    pooled = sum(b.numel() * b.element_size() for bufs in pool.values() for b in bufs)
+    return losses, weights, (rounds, comm.stats.calls.get("all_to_all_single", 0)), pooled
 
 
 @pytest.mark.timeout(400)
-def test_stage3_trains_bit_identically_through_the_exchange_and_through_gloo():
-    shared = run_distributed(_train_body, world_size=2, timeout=300)
-    gloo = run_distributed(_train_body, world_size=2, timeout=300, env={"MICROSPEED_ZERO_SHM": "0"})
+@pytest.mark.parametrize(("stage", "world", "gas"), [(1, 3, 2), (2, 3, 1), (3, 2, 1)])
+def test_training_is_bit_identical_through_the_exchange_and_through_gloo(stage: int, world: int, gas: int):
+    """The exchange sums each reduction into the rank's slice as it receives it (no receive buffer): the same
+    arithmetic in the same order as summing gloo's all-to-all rows, so losses and weights are bit-identical at every
+    stage (stage 1 sums into its accumulator, whose own row the wire is; stage 2 in column chunks; 3 ranks put a
+    rank's own row in the middle of the order); the reducer's pool holds less (stage 1: nothing)."""
+    shared = run_distributed(_train_body, world_size=world, args=(stage, gas), timeout=300)
+    gloo = run_distributed(_train_body, world_size=world, args=(stage, gas), timeout=300,
+                           env={"MICROSPEED_ZERO_SHM": "0"})
     for a, b in zip(shared, gloo, strict=True):
         assert a[0] == b[0]
         assert all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+        assert a[3] < b[3] and (a[3] == 0 if stage == 1 else True), (a[3], b[3])
     # through the exchange (rounds run) and through gloo (none), the reductions counted as the same collective
     (rounds, reductions), (gloo_rounds, gloo_reductions) = shared[0][2], gloo[0][2]
     assert rounds > 0 and gloo_rounds == 0 and reductions == gloo_reductions > 0, (shared[0][2], gloo[0][2])
