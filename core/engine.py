@@ -90,6 +90,13 @@ class Engine(torch.nn.Module):
         """The state object a plugin attached under ``name`` (``default`` if none)."""
         return self._plugin_state.get(name, default)
 
+    def drop_plugin_states(self) -> None:
+        """Forget every plugin's state object and the last micro-step's context (``destroy()``, after the plugins'
+        ``microspeed_destroy``): its loss and outputs hold their autograd graph, whose nodes hold the hooks plugins
+        registered on activations, outside Python's collector."""
+        self._plugin_state.clear()
+        self.ctx = StepContext()
+
     def claim(self, role: Role | str, plugin: str) -> None:
         """Record that ``plugin`` takes over ``role`` (a :class:`~microspeed.capabilities.Role`; else PluginError).
 

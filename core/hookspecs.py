@@ -609,6 +609,15 @@ def microspeed_optimizer_param_names(engine: Engine) -> dict[int, str] | None:
 
 
 @hookspec
+def microspeed_destroy(engine: Engine) -> None:
+    """``engine.destroy()`` (DeepSpeed's): the engine trains no more. Remove every hook this plugin put on the model,
+    its parameters or torch — a hook on a parameter is held from outside Python's collector, so one whose closure
+    reaches the engine keeps the engine, its buffers and the model alive after the user drops them — finish what is
+    in flight, stop this plugin's threads and close its files (swap files are removed). Called once per engine; the
+    engine then drops the plugins' states, its optimizer, scheduler and data loader."""
+
+
+@hookspec
 def microspeed_on_exception(engine: Engine | None, exc: BaseException, phase: str) -> None:
     """Notification: ``phase`` (``"forward"``, ``"backward"``, ``"step"``, ...) raised ``exc``."""
 

@@ -144,6 +144,54 @@ def test_destroy_releases_the_optimizer(tiny_model):
     assert engine.optimizer is None and engine.lr_scheduler is None
 
 
+class _HookOnActivations:
+    """A plugin that does what ZeRO-3 does: a hook on every forward's output, its closure holding the engine."""
+
+    def __init__(self) -> None:
+        self.destroyed = 0
+
+    @microspeed.hookimpl
+    def microspeed_setup(self, engine) -> None:
+        engine.set_plugin_state("activations", self)
+        self.engine = engine
+
+    @microspeed.hookimpl
+    def microspeed_after_forward(self, engine, ctx) -> None:
+        if isinstance(ctx.outputs, torch.Tensor) and ctx.outputs.requires_grad:
+            ctx.outputs.register_hook(lambda g: g if engine.global_steps >= 0 else None)
+
+    @microspeed.hookimpl
+    def microspeed_destroy(self, engine) -> None:
+        self.destroyed += 1
+        self.engine = None
+
+
+def test_destroy_tells_every_plugin_once_and_lets_the_engine_go():
+    """DeepSpeed's ``destroy()`` (Accelerate's ``free_memory`` calls it): every plugin hears ``microspeed_destroy``
+    once (a second call does nothing), the plugins' states go, and so does the last micro-step's loss, whose graph
+    holds hooks that reach the engine from outside Python's collector: once dropped, engine and model are freed."""
+    import gc
+    import weakref
+
+    plugin = _HookOnActivations()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    engine, *_ = microspeed.initialize(model=net, config=_config(gradient_accumulation_steps=1),
+                                       plugins=[("activations", plugin)])
+    x, y = _batches(1)[0]
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    del loss
+    gone, model = weakref.ref(engine), weakref.ref(net)
+    engine.destroy()
+    engine.destroy()
+    assert plugin.destroyed == 1 and engine.plugin_state("activations") is None
+    del engine, net
+    gc.collect()
+    assert gone() is None and model() is None
+
+
 def test_load_checkpoint_leaves_rng_alone_unless_asked(tiny_model, tmp_path):
     """DeepSpeed's load_checkpoint does not touch random-number state; load_rng_state=True restores it."""
     engine, *_ = microspeed.initialize(model=tiny_model, config=_config())

@@ -251,14 +251,14 @@ def test_tracing_off_writes_nothing_and_attaches_nothing(tmp_path, monkeypatch, 
     assert comm.observers() == ()
     impls = [i for c in vars(engine.plugins.hook).values() if hasattr(c, "get_hookimpls") for i in c.get_hookimpls()]
     assert impls and not any("timed_impl" in getattr(i.function, "__qualname__", "") for i in impls)
-    for name in ("tracing", "watchdog"):  # no per-step hook: nothing to dispatch when off
+    for name in ("tracing", "watchdog"):  # no per-step hook: nothing to dispatch when off (destroy: once, at the end)
         assert set(engine.plugins.hooks_of(name)) <= {"microspeed_plugins_loaded", "microspeed_config_sections",
-                                                 "microspeed_configure"}
+                                                 "microspeed_configure", "microspeed_destroy"}
     # comms_logger makes its engine's comm context current at each entry: one assignment, no observer
     assert set(engine.plugins.hooks_of("comms_logger")) == {
         "microspeed_plugins_loaded", "microspeed_config_sections", "microspeed_configure", "microspeed_setup",
         "microspeed_before_forward", "microspeed_before_backward", "microspeed_before_step",
-        "microspeed_before_checkpoint_save", "microspeed_load_checkpoint"}
+        "microspeed_before_checkpoint_save", "microspeed_load_checkpoint", "microspeed_destroy"}
     assert comm.current() is engine.plugin_state("comms_logger") is comm.context_for(engine.plugins)
 
 

@@ -83,6 +83,12 @@ class CommsLoggerPlugin:
         """As ``before_forward``: a checkpoint's collectives count for this engine."""
         comm.activate(self.context)
 
+    @hookimpl(trylast=True)
+    def microspeed_destroy(self) -> None:
+        """``engine.destroy()``: the context is no longer current (the process-wide pointer to it would keep the
+        engine alive through its observers); collectives made from now on count in the default context."""
+        comm.deactivate(self.context)
+
     @hookimpl(tryfirst=True)
     def microspeed_load_checkpoint(self) -> None:
         """Make the context current for a checkpoint load, and let the loader answer."""

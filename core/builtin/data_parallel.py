@@ -187,6 +187,20 @@ class DataParallelPlugin:
             for t in [p for p in model.parameters() if reduced_over_data_parallel(p)] + list(model.buffers()):
                 comm.broadcast(t.data, src=src, group=topo.data_parallel_group)
 
+    @hookimpl
+    def microspeed_destroy(self) -> None:
+        """``engine.destroy()``: finish the bucket reductions in flight and remove the parameters' gradient hooks
+        (held outside Python's collector, they would keep the engine alive)."""
+        if self.reducer is not None:
+            for bucket in self.reducer.buckets:
+                if bucket.work is not None:
+                    bucket.work.wait()
+                    bucket.work = None
+            self.reducer = None
+        for handle in self.hook_handles:
+            handle.remove()
+        self.hook_handles.clear()
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         engine = self.engine
         if not engine.ctx.reduce or self.reducer is None or engine.owner(Role.GRADIENT_REDUCTION) is not None:

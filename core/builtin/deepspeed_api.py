@@ -89,10 +89,17 @@ def _set_train_micro_batch_size(engine: Any, micro_batch_size: int) -> None:
 
 
 def _destroy(engine: Any) -> None:
-    """Release what the engine holds for training (as DeepSpeed's ``destroy``): optimizer first."""
+    """Release what the engine holds for training (as DeepSpeed's ``destroy``): the optimizer's own ``destroy`` first,
+    then every plugin's (``microspeed_destroy``: hooks removed, threads stopped, swap files closed), then the
+    plugins' states. Afterwards the engine and the model are freed as soon as the caller drops them. Idempotent."""
+    if engine.plugin_state("destroyed"):
+        return
     optimizer = engine.optimizer
     if optimizer is not None and hasattr(optimizer, "destroy"):
         optimizer.destroy()
+    engine.hook.microspeed_destroy(engine=engine)
+    engine.drop_plugin_states()
+    engine.set_plugin_state("destroyed", True)
     engine.optimizer = engine.lr_scheduler = engine.training_dataloader = None
     engine.set_dataiterator(None)
 

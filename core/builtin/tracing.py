@@ -47,6 +47,13 @@ class TracingPlugin:
         }
 
     @hookimpl
+    def microspeed_destroy(self) -> None:
+        """``engine.destroy()``: close this engine's trace (its files complete) and detach its probe."""
+        if self.directory is not None and self.plugins is not None:
+            trace.stop(context=comm.context_for(self.plugins))
+            self.directory = None
+
+    @hookimpl
     def microspeed_configure(self, config) -> None:
         """Start tracing if the config asks for it (and the environment did not already)."""
         section = config["trace"]

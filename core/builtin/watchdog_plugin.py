@@ -66,6 +66,15 @@ class WatchdogPlugin:
             trace.instrument(self.plugins, context=context)
 
 
+    @hookimpl
+    def microspeed_destroy(self) -> None:
+        """``engine.destroy()``: stop this engine's watchdog thread and detach its probe (unless tracing uses it)."""
+        if self.plugins is not None:
+            context = comm.context_for(self.plugins)
+            if context.watchdog is not None:
+                watchdog.stop(context)
+
+
 def _resolve(enabled: bool, timeout_s: float | None, world_size: int) -> float | None:
     try:
         return watchdog.resolve_timeout(enabled, timeout_s, world_size)

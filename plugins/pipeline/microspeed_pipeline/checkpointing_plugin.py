@@ -47,6 +47,7 @@ class ActivationCheckpointingPlugin:
         self.mpu: Any = None
         self.state = CheckpointingState()
         self._tokens: list[Any] = []
+        self._handles: list[Any] = []
 
     @hookimpl(wrapper=True)
     def microspeed_make_topology(self, mpu: Any, model: Any = None) -> Any:
@@ -93,8 +94,15 @@ class ActivationCheckpointingPlugin:
             return
         targets = [model] + [m for m in model.modules() if isinstance(m, PipelineModule) and m is not model]
         for module in targets:
-            module.register_forward_pre_hook(self._enter)
-            module.register_forward_hook(self._leave, always_call=True)
+            self._handles.append(module.register_forward_pre_hook(self._enter))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    @hookimpl
+    def microspeed_destroy(self) -> None:
+        """``engine.destroy()``: the model no longer runs under this engine's checkpointing settings."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     @hookimpl
     def microspeed_features(self) -> list[Feature]:

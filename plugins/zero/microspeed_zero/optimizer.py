@@ -77,6 +77,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.runs: list[tuple[Any, int, int, int, torch.Tensor]] = []  # (segment, group, start, end, view)
         self.applied_steps = 0
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``optimizer.destroy()``, which the engine's ``destroy()`` calls first: drop the partitioned
+        inner optimizer (its states, the masters' views) and the runtime, so that an optimizer the caller still
+        holds (``engine, optimizer, *_ = initialize(...)``) pins none of the engine's memory. It steps no more."""
+        self.inner = None
+        self.runs = []
+        self.runtime = None
+
     def build_inner(self, masters: dict[int, torch.Tensor]) -> None:
         """Make the inner optimizer over 1-D views of ``masters`` (segment index -> fp32 slice)."""
         per_group: list[list[torch.Tensor]] = [[] for _ in self.param_groups]

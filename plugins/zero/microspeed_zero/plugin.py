@@ -231,6 +231,13 @@ class ZeroPlugin:
         return None
 
     @hookimpl
+    def microspeed_destroy(self) -> None:
+        """``engine.destroy()``: the runtime's hooks removed, collectives in flight finished, swap files closed."""
+        if self.rt is not None:
+            self.rt.destroy()
+            self.rt = None
+
+    @hookimpl
     def microspeed_engine_api(self, engine) -> dict[str, Any] | None:
         """DeepSpeed's ``engine.zero_*`` accessors (stage >= 1; at stage 0 the built-in answers)."""
         if not self._active():

@@ -565,6 +565,29 @@ class ZeroRuntime:
             for p in seg.params:
                 watch(p)
 
+    def destroy(self) -> None:
+        """The engine's ``destroy()``: finish the gathers and reductions in flight (their transports write into this
+        runtime's buffers), remove every hook it and stage 3 installed (a parameter's hook is held outside Python's
+        collector: its closure would keep this runtime and the engine alive), and close the swap files (removed)."""
+        self.wait_gathers()
+        if self.reducer is not None:
+            for _seg, _bufs, work, _cols in self.reducer.pending:
+                if work is not None:
+                    work.wait()
+            self.reducer.pending.clear()
+            self.reducer.queued.clear()
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if self.stage3 is not None:
+            self.stage3.destroy()
+        if self._swapper is not None:
+            self._swapper.close()
+        for seg in self.segments:  # a tensor's attributes are hidden from the collector while torch holds it too
+            for p in seg.params:
+                unwatch(p)
+                p.__dict__.pop("_zero", None)
+
     def wait_gathers(self, indices: list[int] | None = None) -> None:
         """Wait for the pending parameter all-gathers of ``indices`` (all when ``None``)."""
         if not self.gathers:

@@ -761,6 +761,21 @@ class ParameterPartitioner:
             for p in seg.params:
                 watch(p)
 
+    def destroy(self) -> None:
+        """The engine's ``destroy()``: finish the gathers and shard writes in flight, remove the module hooks and
+        close the shard files (removed: the model's partitioned parameters cannot be gathered afterwards)."""
+        for work in self.works.values():
+            if work is not None:
+                work.wait()
+        self.works.clear()
+        while self._piece_writes:
+            self._wait_piece()
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if self.store is not None:
+            self.store.close()
+
     def wait_all(self) -> None:
         """Wait for every pending gather (before reading parameters outside forward)."""
         for index in list(self.works):
