@@ -1,8 +1,9 @@
 """On-demand checkpoint pieces (:class:`microspeed.checkpoint.OnDemandPiece`) stream into the rank's file.
 
 One process, the storage layer directly: a rank's items — a plain tensor, a non-contiguous one and a
-:func:`flat_shard` over an on-demand piece — written by :func:`storage.stream_rank_file` through a 16-byte
-bounce buffer give the same file bytes and checksums as staging them whole (:class:`storage.Staging` and
+:func:`flat_shard` over an on-demand piece — written by :func:`storage.stream_rank_file` through 16-byte
+bounce buffers (two: the piece's next window is read ahead while one is written) give the same file bytes and
+checksums as staging them whole (:class:`storage.Staging` and
 :func:`storage.write_rank_file`); the piece is asked for at most the bounce buffer's worth at a time; and reading
 the finished checkpoint back in windows of :data:`storage.STREAM_CHUNK_BYTES` returns every value, holding no
 more than one window (or one row) beside the targets.
@@ -49,7 +50,8 @@ def _write(tmp: str, stream: bool, piece: Counting) -> None:
     items = storage.local_items(_tensors(piece))
     if stream:
         layout = storage.plan_layout(items)
-        assert storage.stream_rank_file(tmp, 0, layout, chunk_bytes=16) == 16
+        # two 16-byte buffers: the piece's next window is read ahead (a helper thread) while one is written
+        assert storage.stream_rank_file(tmp, 0, layout, chunk_bytes=16) == 32
     else:
         staging = storage.Staging()
         layout = staging.stage(items)

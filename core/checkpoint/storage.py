@@ -41,6 +41,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from microspeed.checkpoint.direct_io import open_stream
 from microspeed.checkpoint.errors import CheckpointError
 from microspeed.checkpoint.layout import _DCP_INDEX, MANIFEST, _fsync_dir, _write_bytes
 from microspeed.checkpoint.manifest import pack, unpack
@@ -296,51 +298,84 @@ def _write_index(tmp: str, rank: int, layout: Layout, crcs: list[int], rng: Any)
 def stream_rank_file(tmp: str, rank: int, layout: Layout, rng: Any = None,
                      chunk_bytes: int | None = None) -> int:
     """Write this rank's items to ``tmp/__<rank>_0.distcp`` item by item, without staging them; returns the bounce
-    buffer's bytes.
+    buffers' bytes.
 
     The file, its index and checksums are those :func:`write_rank_file` writes for the same ``layout``
     (:func:`plan_layout`). A contiguous CPU tensor is written from its own memory; an on-demand piece, or any
-    other tensor, goes through one bounce buffer of at most ``chunk_bytes`` (default
+    other tensor, goes through a bounce buffer of at most ``chunk_bytes`` (default
     :data:`STREAM_CHUNK_BYTES`; never more than the largest such item), a window at a time, the crc32 computed
-    as it goes. Synchronous: the caller must not change the items until it returns.
+    as it goes. An on-demand piece larger than the buffer gets a second one: a helper thread reads its next
+    window (from the swap files) while this one is checksummed and written. Synchronous: the caller must not
+    change the items until it returns.
     """
     cap = max(16, int(STREAM_CHUNK_BYTES if chunk_bytes is None else chunk_bytes))  # >= one element
     bounced = [item.nbytes for item, _at in layout.entries
                if is_on_demand(item.source) or item.source.device.type != "cpu" or not item.source.is_contiguous()]
     bounce = torch.empty(min(cap, max(bounced, default=0)), dtype=torch.uint8)
+    # an on-demand piece larger than the buffer (state in swap files) is read a window ahead by a helper thread,
+    # into a second buffer, while the window before it is checksummed and written: the two files' I/O overlap
+    ahead = any(is_on_demand(item.source) and item.nbytes > bounce.numel() for item, _at in layout.entries)
+    spare = torch.empty_like(bounce) if ahead else None
+    reader = ThreadPoolExecutor(1, thread_name_prefix="microspeed-ckpt-read") if ahead else None
     path = os.path.join(tmp, data_file(rank))
     crcs: list[int] = []
-    with open(path, "wb") as fh:
-        for item, at in layout.entries:
-            fh.seek(at)
-            crc = 0
-            src = item.source
-            if not is_on_demand(src) and src.device.type == "cpu" and src.is_contiguous():
-                if item.nbytes:
-                    view = memoryview(src.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
-                    fh.write(view)
-                    crc = zlib.crc32(view)
-                crcs.append(crc)
-                continue
-            per = max(1, bounce.numel() // item.dtype.itemsize)
-            total = item.nbytes // item.dtype.itemsize
-            flat = None if is_on_demand(src) else src.detach().reshape(-1)
-            for a in range(0, total, per):
-                n = min(per, total - a)
-                out = bounce[:n * item.dtype.itemsize].view(item.dtype)
-                if flat is None:
-                    src.read_into(out, a)
-                else:
-                    out.copy_(flat[a:a + n])
-                view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-                fh.write(view)
-                crc = zlib.crc32(view, crc)
-            crcs.append(crc)
-        fh.truncate(layout.nbytes)
-        fh.flush()
-        os.fsync(fh.fileno())
+    out = open_stream(path)  # past the page cache where the file system allows (microspeed.checkpoint.direct_io)
+    try:
+        _stream_items(out, layout, bounce, spare, reader, crcs)
+        out.close(layout.nbytes)
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        if reader is not None:
+            reader.shutdown(wait=True)
     _write_index(tmp, rank, layout, crcs, rng)
-    return bounce.numel()
+    return bounce.numel() + (spare.numel() if spare is not None else 0)
+
+
+def _stream_items(out: Any, layout: Layout, bounce: torch.Tensor, spare: torch.Tensor | None,
+                  reader: ThreadPoolExecutor | None, crcs: list[int]) -> None:
+    """:func:`stream_rank_file`'s loop: every item at its offset through ``out`` (``write_at``), its crc32 appended
+    to ``crcs``."""
+    for item, at in layout.entries:
+        crc = 0
+        src = item.source
+        if not is_on_demand(src) and src.device.type == "cpu" and src.is_contiguous():
+            if item.nbytes:
+                view = memoryview(src.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+                out.write_at(at, view)
+                crc = zlib.crc32(view)
+            crcs.append(crc)
+            continue
+        per = max(1, bounce.numel() // item.dtype.itemsize)
+        total = item.nbytes // item.dtype.itemsize
+        flat = None if is_on_demand(src) else src.detach().reshape(-1)
+        windows = [(a, min(per, total - a)) for a in range(0, total, per)]
+        bufs = (bounce, spare if spare is not None else bounce)
+
+        def fetch(i: int, src: Any = src, flat: Any = flat, windows: list = windows, bufs: tuple = bufs,
+                  item: Any = item) -> torch.Tensor:
+            a, n = windows[i]
+            got = bufs[i % 2][:n * item.dtype.itemsize].view(item.dtype)
+            if flat is None:
+                src.read_into(got, a)
+            else:
+                got.copy_(flat[a:a + n])
+            return got
+
+        overlap = reader is not None and flat is None and len(windows) > 1
+        pending = reader.submit(fetch, 0) if overlap else None
+        for i in range(len(windows)):
+            if pending is not None:
+                window = pending.result()
+                pending = reader.submit(fetch, i + 1) if i + 1 < len(windows) else None
+            else:
+                window = fetch(i)
+            view = memoryview(window.view(torch.uint8).numpy()).cast("B")
+            out.write_at(at, view)  # (copies and checksums release the GIL: the read ahead runs meanwhile)
+            at += len(view)
+            crc = zlib.crc32(view, crc)
+        crcs.append(crc)
 
 
 def mark_failed(tmp: str, rank: int, message: str) -> None:
