@@ -11,6 +11,9 @@ Usage (the runs in BENCHMARKS.md)::
         # 0.55B in bf16, trained again from the same seed and batches with ZeRO-3 in memory; the losses compared
     python benchmarks/zero_infinity.py --nvme-path /tmp/nvme --layers 2 --width 256 --heads 4 --vocab 1000 \
         --steps 2                                                                       # smoke
+    LIMIT=$((4 << 30)) benchmarks/cgroup_run.sh python benchmarks/zero_infinity.py --nvme-path /work/nvme_small \
+        --layers 24 --width 1024 --heads 16 --vocab 32000 --sub-group 5e7 --live 5e7 --steps 2 \
+        --checkpoint /work/ckpt_small   # 0.37B in a 4 GiB cgroup: then a checkpoint saved, loaded, resumed
 
 The model is the demo GPT (:class:`microspeed.demo.model.GPT`; default vocab 16000, width 2560, 30 layers, 20
 heads, sequence 32, untied head: 2.44B parameters, 39 GB = 36.4 GiB of Adam state at 16 bytes per parameter in
@@ -257,9 +260,6 @@ def rank_main(opts, path: str | None) -> dict:
     import torch.distributed as dist
     from common import make_batches
 
-    import microspeed
-    from microspeed.demo.model import GPT
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.set_num_threads(max(1, opts.threads // world))
@@ -282,27 +282,10 @@ def rank_main(opts, path: str | None) -> dict:
     gc.collect()
     out["baseline_rss"] = _status("VmRSS")
     _reset_peak()
-    cfg = ds_config(opts, path, world)
-    torch.manual_seed(opts.seed)
-    lib = microspeed
-    if opts.engine == "deepspeed":
-        import deepspeed as lib
-    t0 = time.perf_counter()
-    with lib.zero.Init(remote_device="nvme" if path is not None else None, config_dict_or_path=cfg):
-        model = _gemm_patch(opts, GPT(_gpt_config(opts)))
-    out["build_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if opts.engine == "deepspeed":
-        import contextlib
-        import io
-
-        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its whole config
-            engine = lib.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
-    else:
-        engine = lib.initialize(model=model, config=cfg)[0]
-    out["initialize_s"] = time.perf_counter() - t0
+    model, engine = _build(opts, path, world, out)
     out["params"] = sum(p.ds_numel for p in model.parameters())
-    batches = make_batches((opts.warmup + opts.steps) * opts.gas * world, opts.micro, opts.seq)
+    extra = 2 if opts.checkpoint else 0  # the steps after the save, run twice: continued and resumed
+    batches = make_batches((opts.warmup + opts.steps + extra) * opts.gas * world, opts.micro, opts.seq)
     steps = []
     for step in range(opts.warmup + opts.steps):
         if dist.is_initialized():
@@ -338,7 +321,83 @@ def rank_main(opts, path: str | None) -> dict:
                               for k, v in phases.items()), flush=True)
     out["steps"] = steps
     out["peak_rss"] = _status("VmHWM")
+    if opts.checkpoint:
+        ck = out["checkpoint"] = {}
+        _measured(ck, "save", engine, engine.save_checkpoint, opts.checkpoint, "bench")
+        ck["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(opts.checkpoint) for f in fs)
+        ck["continued"] = _after_save(opts, engine, batches, rank, world)
+        engine.destroy()  # DeepSpeed's: hooks removed, swap files closed (removed); then the engine can go
+        del engine, model
+        gc.collect()
+        ck["rss_released"] = _status("VmRSS")
+        model, engine = _build(opts, path, world, {})
+        _measured(ck, "load", engine, engine.load_checkpoint, opts.checkpoint, "bench")
+        ck["resumed"] = _after_save(opts, engine, batches, rank, world)
     return out
+
+
+def _build(opts, path: str | None, world: int, out: dict):
+    """Build the model under ``zero.Init`` and its engine; record the seconds each took in ``out``."""
+    import microspeed
+    from microspeed.demo.model import GPT
+
+    cfg = ds_config(opts, path, world)
+    torch.manual_seed(opts.seed)
+    lib = microspeed
+    if opts.engine == "deepspeed":
+        import deepspeed as lib
+    t0 = time.perf_counter()
+    with lib.zero.Init(remote_device="nvme" if path is not None else None, config_dict_or_path=cfg):
+        model = _gemm_patch(opts, GPT(_gpt_config(opts)))
+    out["build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if opts.engine == "deepspeed":
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints its whole config
+            engine = lib.initialize(model=model, config=cfg, model_parameters=model.parameters())[0]
+    else:
+        engine = lib.initialize(model=model, config=cfg)[0]
+    out["initialize_s"] = time.perf_counter() - t0
+    return model, engine
+
+
+def _measured(into: dict, name: str, engine, fn, *args) -> None:
+    """Call ``fn(*args)`` between barriers; record in ``into`` its seconds (slowest rank's view), this process's
+    peak RSS while it ran and the bytes ``engine``'s swap stores read and wrote meanwhile."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+    _reset_peak()
+    counted = engine if getattr(engine, "plugin_state", None) is not None else None
+    m0, t0 = _moved(counted), time.perf_counter()
+    fn(*args)
+    if dist.is_initialized():
+        dist.barrier()
+    m1 = _moved(counted)
+    into[name] = {"s": time.perf_counter() - t0, "peak": _status("VmHWM"), "read": m1[0] - m0[0],
+                  "written": m1[1] - m0[1]}
+
+
+def _after_save(opts, engine, batches, rank: int, world: int) -> list[float]:
+    """The losses of the optimizer step after the timed ones and of the forward after it: the same on an engine that
+    saved and went on and on a fresh engine that loaded the save, when the checkpoint holds the whole state."""
+    first = opts.warmup + opts.steps
+    losses = []
+    for step in (first, first + 1):
+        for micro in range(opts.gas):
+            x, y = batches[(step * opts.gas + micro) * world + rank]
+            loss = engine(x % opts.vocab, y % opts.vocab)
+            losses.append(float(loss.detach().float()))
+            if step == first:
+                engine.backward(loss)
+                engine.step()
+    return losses
 
 
 def _run(opts, path: str | None) -> list[dict]:
@@ -396,6 +455,23 @@ def report(opts, ranks: list[dict], label: str) -> dict:
                   f"{c['forward_backward_s']:.1f} s + optimizer {c['adam_s']:.1f} s")
         print(f"  I/O bound {io:.1f} s, compute bound {comp:.1f} s; step / max(bounds) = {fig['ratio']:.2f} "
               f"(goal <= 1.3); step / (I/O + compute) = {fig['serial_ratio']:.2f}")
+    if "checkpoint" in ranks[0]:
+        cks = [r["checkpoint"] for r in ranks]
+        fig["checkpoint"] = cks
+        for what in ("save", "load"):
+            read, written = (sum(c[what][k] for c in cks) / GIB for k in ("read", "written"))
+            print(f"  checkpoint {what}: {max(c[what]['s'] for c in cks):.1f} s; peak RSS per rank while it ran "
+                  + ", ".join(f"{c[what]['peak'] / MIB:.0f}" for c in cks)
+                  + f" MiB; swap files read {read:.2f} GiB, written {written:.2f} GiB"
+                  + (f"; {cks[0]['bytes'] / GIB:.2f} GiB on disk ({opts.checkpoint})" if what == "save" else
+                     "; RSS per rank before it, the first engine released: "
+                     + ", ".join(f"{c['rss_released'] / MIB:.0f}" for c in cks) + " MiB"))
+        cont, res = cks[0]["continued"], cks[0]["resumed"]
+        fig["resume_equal"] = cont == res
+        diffs = [f"{abs(a - b) / abs(a):.1e}" for a, b in zip(cont, res, strict=True)]
+        print(f"  after the save, rank 0 (a step's losses, then the next forward's): went on "
+              f"{[round(v, 6) for v in cont]}, loaded into a fresh engine {[round(v, 6) for v in res]}: "
+              + ("equal" if cont == res else f"relative differences {diffs}"))
     return fig
 
 
@@ -437,6 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute-reps", type=int, default=3, help="timed repetitions per compute probe (0: skip)")
     parser.add_argument("--parity", action="store_true",
                         help="train the same model again with ZeRO-3 in memory and compare the losses")
+    parser.add_argument("--checkpoint", default="",
+                        help="folder: after the timed steps save a checkpoint there, go on for a step and a forward, "
+                             "then load it into a fresh engine (built again under zero.Init) and run the same; "
+                             "prints the save's and the load's seconds, peak RSS and bytes, and both runs' losses")
     parser.add_argument("--timeout", type=float, default=7200)
     parser.add_argument("--verbose", action="store_true", help="print every step on rank 0")
     opts = parser.parse_args(argv)

@@ -10,6 +10,7 @@ single-process run on the same global batch has.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -172,6 +173,23 @@ def _init_body(gpt_steps: int) -> None:
     assert gpt.lm_head.weight is gpt.tok_emb.weight
     assert all(p.numel() == 0 for p in gpt.parameters())
     _same_as(gpt, ref_gpt)
+    # remote_device="nvme": the shards in files (zero-padded on the last rank), gathered and partitioned again by
+    # reset_parameters() over the whole model: the same values again
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        with Init(remote_device="nvme", config_dict_or_path={"zero_optimization": {
+                "offload_param": {"device": "nvme", "nvme_path": folder}}}):
+            torch.manual_seed(1)
+            gpt_nvme = GPT(_gpt_config())
+            torch.manual_seed(3)
+            odd = nn.Linear(5, 3)  # 15 and 3 values: the last rank's shard is padded
+        assert all(p.numel() == 0 and os.path.exists(p._zero_init_file) for p in gpt_nvme.parameters())
+        _same_as(gpt_nvme, ref_gpt)
+        torch.manual_seed(3)
+        _same_as(odd, nn.Linear(5, 3))
+        assert all(p._zero_init_shard.numel() == -(-p.ds_numel // world) for p in odd.parameters())
+        del gpt_nvme, odd
     losses = _train_gpt(gpt, gpt_steps)
     ref_losses = _train_gpt(ref_gpt, gpt_steps)
     assert losses == ref_losses  # same values, same partitions: bit for bit
