@@ -91,9 +91,7 @@ class Engine(torch.nn.Module):
         return self._plugin_state.get(name, default)
 
     def drop_plugin_states(self) -> None:
-        """Forget every plugin's state object and the last micro-step's context (``destroy()``, after the plugins'
-        ``microspeed_destroy``): its loss and outputs hold their autograd graph, whose nodes hold the hooks plugins
-        registered on activations, outside Python's collector."""
+        """``destroy()``: forget the plugins' states and the last context (its loss's graph holds plugins' hooks)."""
         self._plugin_state.clear()
         self.ctx = StepContext()
 
