@@ -166,6 +166,7 @@ print(policy, counts[-1])
 
 @pytest.mark.skipif(not hasattr(os, "confstr") or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
                     reason="glibc's malloc")
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_kept_memory_is_reused_without_faults_and_a_budget_wins():
     """keep_freed_memory(): a 64 MiB and an 8 MiB tensor allocated again fault no page once the heap holds them

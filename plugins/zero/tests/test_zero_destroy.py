@@ -94,6 +94,7 @@ def _two_ranks() -> dict:
     return _train_and_destroy(2, None)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_destroy_frees_the_engine_on_two_ranks():
     for out in run_distributed(_two_ranks, world_size=2, timeout=200):
