@@ -172,6 +172,7 @@ def test_zero_checkpoints_of_pipelines_with_tied_weights_resume_under_other_stag
     _close(tp, expected[SAVE_AT + 1:], FP32_RTOL, "pp2 x tp2 resumed from ZeRO-3")
 
 
+@pytest.mark.slow  # 4 ranks twice (8 s): the full suite runs it
 def test_zero3_bf16_tp2_dp2_saves_and_pp2_tp2_resumes_with_the_single_process_losses(tmp_path):
     """4 ranks, ZeRO-3 + bf16 + clipping: pp1 × tp2 × dp2 saves ZeRO pieces of tensor-parallel shards;
     a pp2 × tp2 × dp1 engine on the same ranks loads them and trains on (losses within ``BF16_RTOL``)."""

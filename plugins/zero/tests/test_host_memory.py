@@ -203,6 +203,7 @@ def _policy_body(zero: dict) -> dict:
     return dict(host_memory._state)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_zero_stages_2_3_on_the_cpu_keep_freed_memory_unless_a_budget_is_set():
     from microspeed.testing import run_distributed
