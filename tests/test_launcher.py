@@ -150,8 +150,8 @@ def test_ssh_command_lines(tmp_path):
               "--launcher_args", "-F /x/cfg -i key", "--ssh_port", "2200", "--max-restarts", "0")
     assert list(p["argvs"]) == ["n0", "n1"]
     for rank, (host, argv) in enumerate(p["argvs"].items()):
-        assert argv[:7] == ["ssh", "-p", "2200", "-F", "/x/cfg", "-i", "key"] and argv[7] == host
-        cwd, env, cmd = _remote(argv[8])
+        assert argv[:9] == ["ssh", "-p", "2200", "-F", "/x/cfg", "-i", "key", "--", host]
+        cwd, env, cmd = _remote(argv[9])
         assert cwd == str(tmp_path) and env["NCCL_X"] == "1" and env["PYTHONPATH"] == str(tmp_path)
         assert cmd == [sys.executable, "-u", "-m", "microspeed.cli", "run", "--exit-with-stdin", "--nnodes", "2",
                        "--nproc-per-node", "2", "--node-rank", str(rank), "--master-addr", "10.0.0.1",
@@ -173,8 +173,9 @@ def test_pdsh_command_line(tmp_path):
     assert argv[:6] == ["pdsh", "-S", "-f", "1024", "-w", "n0,n1"]
     assert p["env"]["PDSH_RCMD_TYPE"] == "ssh" and p["env"]["PDSH_SSH_ARGS_APPEND"] == "-F cfg -p 2200"
     assert "--node-rank %n " in argv[6] and "--nproc-per-node 1 " in argv[6]
-    pid = p["node"].pid_file
-    assert f"--pid-file {pid}" in argv[6] and pid in p["kill_argv"][-1] and "kill -TERM" in p["kill_argv"][-1]
+    job = p["node"].pid_job
+    assert f"--pid-job {job}" in argv[6] and shlex.split(p["kill_argv"][-1])[-4:] == ["microspeed.cli", "run",
+                                                                                     "--stop-job", job]
 
 
 def test_pdsh_and_slurm_refuse_hosts_with_different_slots(tmp_path):

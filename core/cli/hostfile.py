@@ -12,20 +12,58 @@ A hostfile names the machines of a job and how many processes ("slots", one per 
 ``--num_gpus N`` runs N processes on each (slots 0..N-1). The result is an ordered ``{host: [slot, ...]}``
 (hostfile order = node rank order). Every mistake is a :class:`HostfileError` naming the file and line, the
 host or the slot.
+
+A host is a host name (RFC 1123 labels of letters, digits, ``-`` and ``_``, none starting or ending with ``-``)
+or an IPv4/IPv6 address, nothing else (:func:`check_host`): the name lands in ``ssh``/``pdsh``/``srun`` command
+lines, where ``-F/evil/config`` would be an option and ``user@host`` or ``^file`` pdsh syntax.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterable, Mapping
 
 from microspeed.errors import ConfigError
 
 _ENTRY = re.compile(r"^(?P<host>[^\s#=]+)\s+slots\s*=\s*(?P<slots>\d+)\s*$")
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
 
 
 class HostfileError(ConfigError):
     """A hostfile line, an ``--include``/``--exclude`` spec or a ``--num_nodes``/``--num_gpus`` value is wrong."""
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not a host name or an IP address (``None`` when it is one).
+
+    Host names are RFC 1123 (labels of at most 63 letters, digits and ``-``, not starting or ending with ``-``;
+    ``_`` is admitted too, as ssh aliases and container names use it), at most 253 characters; addresses are
+    IPv4 (``10.0.0.1``) or IPv6 (``fd00::1``, without brackets).
+    """
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    if host.startswith("-"):
+        return "it starts with '-', so ssh and pdsh would read it as an option"
+    if "@" in host:
+        return ("'user@host' is not accepted ('@' separates hosts in --include/--exclude): set the user in "
+                "~/.ssh/config (User) or pass --launcher_args '-l USER'")
+    if len(host) > 253 or not all(_LABEL.match(label) for label in host.removesuffix(".").split(".")):
+        return ("a host name is letters, digits, '-' and '_' in dot-separated labels (none starting or ending "
+                "with '-', at most 63 characters each), or an IPv4/IPv6 address")
+    return None
+
+
+def check_host(host: str, where: str) -> str:
+    """``host`` when it is a host name or an IP address (see :func:`host_problem`); else a
+    :class:`HostfileError` that starts with ``where`` (the file and line, or the option)."""
+    problem = host_problem(host)
+    if problem is not None:
+        raise HostfileError(f"{where}: host {host!r} is not a host name or an IP address: {problem}")
+    return host
 
 
 def parse_hostfile_text(lines: Iterable[str], source: str = "<hostfile>") -> dict[str, int]:
@@ -40,7 +78,7 @@ def parse_hostfile_text(lines: Iterable[str], source: str = "<hostfile>") -> dic
         if match is None:
             raise HostfileError(f"{source}:{number}: bad hostfile line {raw.strip()!r}: expected 'HOST slots=N' "
                                 f"(for example 'worker-0 slots=4'); comments start with '#'")
-        host, slots = match["host"], int(match["slots"])
+        host, slots = check_host(match["host"], f"{source}:{number}"), int(match["slots"])
         if host in pool:
             raise HostfileError(f"{source}:{number}: host {host!r} is listed twice (first at line "
                                 f"{first_line[host]}): give each host one line with its total slots")

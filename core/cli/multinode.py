@@ -13,15 +13,24 @@ Launchers (``--launcher``; default pdsh where installed, else ssh, as "ssh or pd
   stopped (their ssh's stdin is closed: the node's ``microspeed run --exit-with-stdin`` stops its ranks), and the
   report names the host that failed first, with its own failure summary.
 * ``pdsh``: one ``pdsh -S -f 1024 -w h1,h2 ...`` (``--node-rank %n``); stopping runs
-  ``pdsh -w HOSTS 'kill -TERM $(cat PIDFILE)'`` with the pid file each node writes.
+  ``pdsh -w HOSTS 'python -m microspeed.cli run --stop-job JOB'``, which signals the pid each node wrote in its
+  user's private folder (:mod:`microspeed.cli.pidfile`).
 * ``slurm``: one ``srun --nodes N --ntasks-per-node 1 --nodelist h1,h2 --kill-on-bad-exit=1 bash -c '...'``
   (``--node-rank $SLURM_NODEID``).
 
-Before ssh/pdsh launches, every host is checked with ``ssh -o BatchMode=yes -o ConnectTimeout=5 HOST true``; a
-host that does not answer is an error naming it. :class:`NodeCommand` builds one node's argv; its ``rendezvous``
-and ``max_restarts`` fields give the elastic form (``--nnodes MIN:MAX --rdzv-backend c10d``), which ``--elastic
-MIN:MAX [--max_restarts N]`` selects (:mod:`microspeed.cli.elastic`): every host joins one c10d rendezvous at
-``--master_addr:--master_port`` with the launch's job id, and a node that fails no longer stops the others.
+Before ssh/pdsh launches, every host is checked with ``ssh -o BatchMode=yes -o ConnectTimeout=5 -- HOST true``; a
+host that does not answer is an error naming it.
+
+What lands in a remote shell is checked or quoted: hosts are host names or IP addresses
+(:func:`microspeed.cli.hostfile.check_host`) and every ssh argv has ``--`` before the host (pdsh and srun take
+the hosts as one ``-w``/``--nodelist`` value, which the check keeps free of options and pdsh syntax); environment
+variable names are ``[A-Za-z_][A-Za-z0-9_]*`` (:func:`check_env_name`); every value, the folder and each argument
+is ``shlex``-quoted. ``--launcher_args`` are the user's own ssh/pdsh/srun options and are passed as given.
+
+:class:`NodeCommand` builds one node's argv; its ``rendezvous`` and ``max_restarts`` fields give the elastic form
+(``--nnodes MIN:MAX --rdzv-backend c10d``), which ``--elastic MIN:MAX [--max_restarts N]`` selects
+(:mod:`microspeed.cli.elastic`): every host joins one c10d rendezvous at ``--master_addr:--master_port`` with the
+launch's job id, and a node that fails no longer stops the others.
 
 Elastic ssh launches also (see :func:`run_ssh_nodes`): run ssh with keep-alives (``ServerAliveInterval``
 :data:`ELASTIC_SSH_ALIVE_S` × ``ServerAliveCountMax`` :data:`ELASTIC_SSH_ALIVE_COUNT`), so a host whose link is cut
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -52,11 +62,11 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from microspeed.cli.hostfile import HostfileError, read_hostfile, select_resources
+from microspeed.cli.hostfile import HostfileError, check_host, read_hostfile, select_resources
 from microspeed.netaddr import source_address
 
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "MLFLOW", "MV2", "UCX", "GLOO_", "MICROSPEED_")
@@ -88,6 +98,19 @@ class LaunchError(RuntimeError):
     """The hostfile launcher cannot start the job (a host unreachable, a launcher missing, an env file line)."""
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def check_env_name(name: str, where: str) -> str:
+    """``name`` when it is a portable environment variable name (``[A-Za-z_][A-Za-z0-9_]*``), else a
+    :class:`LaunchError` naming it and ``where`` it came from: it is written unquoted before ``=`` in the
+    remote shell line, where anything else (``A$(cmd)``, ``A;cmd``) would be run by the node's shell."""
+    if not _ENV_NAME.fullmatch(name):
+        raise LaunchError(f"{where}: environment variable name {name!r} is not [A-Za-z_][A-Za-z0-9_]*, so it cannot "
+                          f"be sent to the nodes' shells: rename or unset it")
+    return name
+
+
 # ------------------------------------------------------------------------------------------------------
 # Environment propagation.
 
@@ -102,9 +125,9 @@ def read_env_file(path: str) -> dict[str, str]:
                 continue
             key, sep, value = line.partition("=")
             key = key.strip().removeprefix("export ").strip()
-            if not sep or not key.isidentifier():
+            if not sep:
                 raise LaunchError(f"{path}:{number}: bad line {raw!r}: expected KEY=VALUE")
-            out[key] = value.strip()
+            out[check_env_name(key, f"{path}:{number}")] = value.strip()
     return out
 
 
@@ -130,7 +153,8 @@ def collect_exports(environ: Mapping[str, str] | None = None, cwd: str | None = 
     environ = dict(os.environ if environ is None else environ)
     cwd = os.path.abspath(cwd or os.getcwd())
     environ["PYTHONPATH"] = cwd + (os.pathsep + environ["PYTHONPATH"] if environ.get("PYTHONPATH") else "")
-    exports = {k: v for k, v in environ.items() if k.startswith(EXPORT_PREFIXES)}
+    exports = {check_env_name(k, "the launcher's environment"): v for k, v in environ.items()
+               if k.startswith(EXPORT_PREFIXES)}
     for path in env_files(cwd, home, environ):
         exports.update(read_env_file(path))
     return exports
@@ -159,7 +183,7 @@ class NodeCommand:
     max_restarts: int = 0
     python: str = sys.executable
     stop_with_stdin: bool = False
-    pid_file: str | None = None
+    pid_job: str | None = None
     run_flags: Sequence[str] = field(default_factory=tuple)
 
     def argv(self, node_rank: int | str, nproc: int) -> list[str]:
@@ -167,8 +191,8 @@ class NodeCommand:
         out = [self.python, "-u", "-m", "microspeed.cli", "run", *self.run_flags]
         if self.stop_with_stdin:
             out.append("--exit-with-stdin")
-        if self.pid_file:
-            out += ["--pid-file", self.pid_file]
+        if self.pid_job:
+            out += ["--pid-job", self.pid_job]
         out += ["--nnodes", str(self.nnodes), "--nproc-per-node", str(nproc)]
         if self.rendezvous == "static":
             out += ["--node-rank", str(node_rank), "--master-addr", self.master_addr,
@@ -188,7 +212,7 @@ def shell_line(argv: Sequence[str], cwd: str, exports: Mapping[str, str], node_r
     def q(a: str) -> str:
         return a if node_rank_token is not None and a == node_rank_token else shlex.quote(a)
 
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in exports.items())
+    env = " ".join(f"{check_env_name(k, 'exports')}={shlex.quote(v)}" for k, v in exports.items())
     return f"cd {shlex.quote(cwd)} && exec env {env + ' ' if env else ''}{' '.join(q(a) for a in argv)}"
 
 
@@ -199,8 +223,9 @@ def ssh_base(ssh_args: Sequence[str] = (), port: int | None = None) -> list[str]
 
 def ssh_check_argv(host: str, ssh_args: Sequence[str] = (), port: int | None = None,
                    timeout: int = SSH_CHECK_TIMEOUT) -> list[str]:
-    """The reachability check: ``ssh -o BatchMode=yes -o ConnectTimeout=5 HOST true``."""
-    return [*ssh_base(ssh_args, port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}", host, "true"]
+    """The reachability check: ``ssh -o BatchMode=yes -o ConnectTimeout=5 -- HOST true``."""
+    return [*ssh_base(ssh_args, port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={timeout}", "--",
+            check_host(host, "ssh"), "true"]
 
 
 def ssh_argvs(hosts: Mapping[str, list[int]], node: NodeCommand, cwd: str, exports: Mapping[str, str],
@@ -211,7 +236,8 @@ def ssh_argvs(hosts: Mapping[str, list[int]], node: NodeCommand, cwd: str, expor
         env = dict(exports)
         if slots != list(range(len(slots))):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
-        out[host] = [*ssh_base(ssh_args, port), host, shell_line(node.argv(rank, len(slots)), cwd, env)]
+        out[host] = [*ssh_base(ssh_args, port), "--", check_host(host, "ssh"),
+                     shell_line(node.argv(rank, len(slots)), cwd, env)]
     return out
 
 
@@ -232,14 +258,21 @@ def pdsh_argv(hosts: Mapping[str, list[int]], node: NodeCommand, cwd: str, expor
     if slots != list(range(len(slots))):
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     line = shell_line(node.argv("%n", len(slots)), cwd, env, node_rank_token="%n")
-    return ["pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", ",".join(hosts), *launcher_args, line]
+    return ["pdsh", "-S", "-f", str(PDSH_FAN_OUT), "-w", host_list(hosts, "pdsh -w"), *launcher_args, line]
 
 
-def pdsh_kill_argv(hosts: Sequence[str], pid_file: str, launcher_args: Sequence[str] = ()) -> list[str]:
-    """Stops every node's ``microspeed run`` (SIGTERM to the pid it wrote; it stops its ranks)."""
-    q = shlex.quote(pid_file)
-    return ["pdsh", "-f", str(PDSH_FAN_OUT), "-w", ",".join(hosts), *launcher_args,
-            f"test -f {q} && kill -TERM $(cat {q}); rm -f {q}"]
+def host_list(hosts: Iterable[str], option: str) -> str:
+    """``h1,h2`` for pdsh's ``-w`` or srun's ``--nodelist``, each host checked (:func:`check_host`): these tools
+    take no ``--``, and pdsh reads ``^file``, ``user@host`` and ``-`` prefixes in that list."""
+    return ",".join(check_host(h, option) for h in hosts)
+
+
+def pdsh_kill_argv(hosts: Sequence[str], job: str, launcher_args: Sequence[str] = (),
+                   python: str = sys.executable) -> list[str]:
+    """Stops every node's ``microspeed run`` (``microspeed run --stop-job JOB``: SIGTERM to the pid it wrote in its
+    user's private folder, :mod:`microspeed.cli.pidfile`; it stops its ranks)."""
+    line = " ".join(shlex.quote(a) for a in (python, "-m", "microspeed.cli", "run", "--stop-job", job))
+    return ["pdsh", "-f", str(PDSH_FAN_OUT), "-w", host_list(hosts, "pdsh -w"), *launcher_args, line]
 
 
 def srun_argv(hosts: Mapping[str, list[int]], node: NodeCommand, cwd: str, exports: Mapping[str, str],
@@ -251,7 +284,8 @@ def srun_argv(hosts: Mapping[str, list[int]], node: NodeCommand, cwd: str, expor
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     n = len(hosts)
     line = shell_line(node.argv("$SLURM_NODEID", len(slots)), cwd, env, node_rank_token="$SLURM_NODEID")
-    return ["srun", "--nodes", str(n), "--ntasks", str(n), "--ntasks-per-node", "1", "--nodelist", ",".join(hosts),
+    return ["srun", "--nodes", str(n), "--ntasks", str(n), "--ntasks-per-node", "1", "--nodelist",
+            host_list(hosts, "srun --nodelist"),
             "--kill-on-bad-exit=1", *launcher_args, "--export=ALL", "bash", "-c", line]
 
 
@@ -283,8 +317,8 @@ def check_reachable(hosts: Sequence[str], ssh_args: Sequence[str] = (), port: in
 
 def first_address(host: str, ssh_args: Sequence[str] = (), port: int | None = None) -> str:
     """The first address ``hostname -I`` gives on ``host`` (over ssh), as DeepSpeed finds the master address."""
-    argv = [*ssh_base(ssh_args, port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CHECK_TIMEOUT}", host,
-            "hostname -I"]
+    argv = [*ssh_base(ssh_args, port), "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CHECK_TIMEOUT}", "--",
+            check_host(host, "ssh"), "hostname -I"]
     try:
         res = subprocess.run(argv, capture_output=True, text=True, timeout=SSH_CHECK_TIMEOUT + 15,
                              stdin=subprocess.DEVNULL)
@@ -568,6 +602,8 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
                                 f"--num_nodes/--num_gpus/--include/--exclude and --master_addr/--master_port)")
     if not script:
         raise HostfileError("give the training script to launch (microspeed run --hostfile FILE [options] script.py)")
+    if opts.master_addr:
+        check_host(opts.master_addr, "--master_addr")
     pool = read_hostfile(opts.hostfile)
     hosts = select_resources(pool, opts.include, opts.exclude, opts.num_nodes, opts.num_gpus, source=opts.hostfile)
     elastic = None
@@ -606,7 +642,7 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
     node = NodeCommand(nnodes=str(len(hosts)), master_addr=master, master_port=opts.master_port,
                        script=script, torchrun_args=torchrun_args, run_flags=run_flags,
                        stop_with_stdin=launcher == "ssh",
-                       pid_file=f"/tmp/microspeed-run-{job}.pid" if launcher == "pdsh" else None)
+                       pid_job=job if launcher == "pdsh" else None)
     if elastic is not None:  # one c10d rendezvous; no node ranks
         node.nnodes, node.rendezvous, node.rdzv_id, node.max_restarts = elastic.nnodes, "c10d", job, \
             elastic.max_restarts
@@ -627,7 +663,7 @@ def plan(args: Sequence[str], cwd: str | None = None, environ: Mapping[str, str]
         if opts.ssh_port:
             env["PDSH_SSH_ARGS_APPEND"] = f"{environ.get('PDSH_SSH_ARGS_APPEND', '')} -p {opts.ssh_port}".strip()
         result.update(argv=pdsh_argv(hosts, node, cwd, exports, launcher_args), env=env,
-                      kill_argv=pdsh_kill_argv(list(hosts), node.pid_file or "", launcher_args))
+                      kill_argv=pdsh_kill_argv(list(hosts), job, launcher_args, node.python))
     else:
         result.update(argv=srun_argv(hosts, node, cwd, exports, launcher_args), env=environ)
     return result

@@ -170,10 +170,31 @@ def main(argv: Sequence[str]) -> int:
     as_deepspeed = _take_flag(args, "--as-deepspeed")
     if _take_flag(args, "--exit-with-stdin"):
         _exit_with_stdin()
-    pid_file = _take_value(args, "--pid-file")
-    if pid_file:
-        with open(pid_file, "w", encoding="utf-8") as f:
-            f.write(f"{os.getpid()}\n")
+    from microspeed.cli import pidfile
+
+    stop = _take_value(args, "--stop-job")
+    if stop is not None:  # pdsh's stop command on each node: SIGTERM to the node's run (see multinode)
+        try:
+            pidfile.stop_job(stop)
+        except pidfile.PidFileError as exc:
+            print(f"microspeed run --stop-job: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    pid_job = _take_value(args, "--pid-job")
+    if pid_job is not None:
+        try:
+            pidfile.write_pid(pid_job)
+        except pidfile.PidFileError as exc:
+            print(f"microspeed run: error: {exc}", file=sys.stderr)
+            return 2
+    try:
+        return _main(args, as_deepspeed)
+    finally:
+        if pid_job is not None:
+            pidfile.remove_pid(pid_job)
+
+
+def _main(args: list[str], as_deepspeed: bool) -> int:
     if not args:
         print(HELP, end="", file=sys.stderr)
         print("microspeed run: error: give the training script to launch", file=sys.stderr)
