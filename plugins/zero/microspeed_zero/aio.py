@@ -42,6 +42,7 @@ import errno
 import logging
 import os
 import platform
+import secrets
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -184,17 +185,20 @@ def direct_io_supported(folder: str) -> bool:
         return False
     folder = os.path.abspath(folder)
     if folder not in _DIRECT_CACHE:
-        probe = os.path.join(folder, f".microspeed-direct-{os.getpid()}")
-        try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600))
+        probe = os.path.join(folder, f".microspeed-direct-{os.getpid()}-{secrets.token_hex(8)}")
+        ours = True
+        try:  # a new file of our own (a name nobody can guess): never through a link, never over a file there
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_DIRECT, 0o600))
             _DIRECT_CACHE[folder] = True
-        except OSError:
+        except OSError as exc:
+            ours = exc.errno != errno.EEXIST  # a file system refusing O_DIRECT may have created it first
             _DIRECT_CACHE[folder] = False
         finally:
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
+            if ours:
+                try:
+                    os.unlink(probe)
+                except OSError:
+                    pass
     return _DIRECT_CACHE[folder]
 
 

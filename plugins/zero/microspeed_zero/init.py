@@ -109,6 +109,32 @@ def partition_param(p: torch.nn.Parameter, group: Any, shard_device: Any = None,
 
 
 _FILE_COUNTER = itertools.count()
+_FOLDERS_LOCK = threading.Lock()
+_FOLDER_FILES: dict[str, set[str]] = {}  # private shard folder -> its files not yet removed
+_FOLDERS_OPEN: set[str] = set()  # shard folders whose Init may still add files
+
+
+def _open_folder(folder: str) -> None:
+    with _FOLDERS_LOCK:
+        _FOLDERS_OPEN.add(folder)
+        _FOLDER_FILES.setdefault(folder, set())
+
+
+def _release(folder: str, path: str | None) -> None:
+    """File ``path`` of ``folder`` removed (``None``: its Init is done); the folder goes once both hold."""
+    from microspeed_zero.nvme import remove_private_folder
+
+    with _FOLDERS_LOCK:
+        files = _FOLDER_FILES.get(folder)
+        if files is None:
+            return
+        if path is None:
+            _FOLDERS_OPEN.discard(folder)
+        files.discard(path)
+        if files or folder in _FOLDERS_OPEN:
+            return
+        del _FOLDER_FILES[folder]
+    remove_private_folder(folder)
 
 
 def _file_backed(shard: torch.Tensor, folder: str, p: Any) -> torch.Tensor:
@@ -119,10 +145,17 @@ def _file_backed(shard: torch.Tensor, folder: str, p: Any) -> torch.Tensor:
     resident set only when read (a mapping filled through its pages would hold the whole model resident). The
     file goes with the tensor: a parameter dropped while partitioned (a head replaced by a tied weight) leaves
     none behind."""
-    os.makedirs(folder, exist_ok=True)
     _remove_file(p)
     path = os.path.join(folder, f"param{os.getpid()}_{next(_FILE_COUNTER)}.bin")
-    with open(path, "wb") as fh:
+    try:  # the folder is private (nvme.private_folder); still, never through a link nor over a file already there
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise OSError(exc.errno, f"zero.Init(remote_device='nvme'): cannot create the shard file {path!r}: "
+                                 f"{exc.strerror or exc} (a file or link this process did not create is there?)") \
+            from exc
+    with _FOLDERS_LOCK:
+        _FOLDER_FILES.setdefault(folder, set()).add(path)
+    with os.fdopen(fd, "wb") as fh:
         fh.write(memoryview(shard.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
     out = torch.from_file(path, shared=True, size=shard.numel(), dtype=shard.dtype)
     weakref.finalize(out, _unlink, path)
@@ -133,6 +166,7 @@ def _file_backed(shard: torch.Tensor, folder: str, p: Any) -> torch.Tensor:
 def _unlink(path: str) -> None:
     with contextlib.suppress(OSError):
         os.remove(path)
+    _release(os.path.dirname(path), path)
 
 
 def _remove_file(p: Any) -> None:
@@ -251,8 +285,11 @@ class Init:
                             f"enabled, dtype, mpu.")
         device = None if remote_device in (None, "none") else str(remote_device)
         self.nvme_folder: str | None = None
+        self._nvme_done: Any = None
         if device == "nvme":
             self.nvme_folder = self._nvme_folder(config_dict_or_path if config_dict_or_path is not None else config)
+            _open_folder(self.nvme_folder)  # removed once this Init is done and its last shard file is gone
+            self._nvme_done = weakref.finalize(self, _release, self.nvme_folder, None)
             device = "cpu"
             return_freed_memory()  # the modules built inside free their whole parameters once partitioned
         if device is not None and device != "cpu" and not device.startswith("cuda"):
@@ -282,17 +319,18 @@ class Init:
 
     @classmethod
     def _nvme_folder(cls, config: Any) -> str:
-        """``remote_device="nvme"``: this rank's folder under the config's ``offload_param.nvme_path``."""
+        """``remote_device="nvme"``: a fresh private folder of this rank under the config's
+        ``offload_param.nvme_path`` (:func:`microspeed_zero.nvme.private_folder`)."""
         raw = cls._raw(config) if config is not None else {}
         path = ((raw.get("zero_optimization") or {}).get("offload_param") or {}).get("nvme_path")
         if not path:
             raise ConfigError("zero.Init(remote_device='nvme') needs a folder: pass config_dict_or_path with "
                               "zero_optimization.offload_param.nvme_path set (as DeepSpeed), or use "
                               "remote_device='cpu'.")
-        from microspeed_zero.nvme import rank_folder
+        from microspeed_zero.nvme import private_folder
 
         comm.init_distributed()
-        return os.path.join(rank_folder(str(path), comm.get_rank()), "zero_init")
+        return private_folder(str(path), comm.get_rank(), "zero_init")
 
     @classmethod
     def _dtype_from_config(cls, config: Any) -> torch.dtype | None:
@@ -385,6 +423,8 @@ class Init:
         if exc_type is None:
             _flush_pending(0)
         _local.pending = []
+        if self._nvme_done is not None:
+            self._nvme_done()
 
 
 def _all_subclasses(cls: type) -> list[type]:

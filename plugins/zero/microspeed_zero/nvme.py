@@ -26,6 +26,12 @@ Errors of asynchronous operations are raised by :meth:`SwapHandle.wait` as :clas
 removed by :meth:`TensorFileStore.close`, when the store is garbage-collected, or at interpreter
 exit (``weakref.finalize``), whichever comes first.
 
+The swap files are the store's own: each is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a file or
+symbolic link already at its name is refused, naming the file) and reopened with ``O_NOFOLLOW``. The
+offload code keeps them in a fresh private folder per rank and engine (:func:`private_folder`, used by
+:meth:`TensorFileStore.private`): ``<nvme_path>/microspeed_zero/rank<r>-<purpose>-<random>``, mode 0700,
+made with :func:`tempfile.mkdtemp`, so nobody else can predict its name or plant anything in it.
+
 :class:`Prefetcher` streams groups of equal-layout tensors (e.g. ``[master_i, exp_avg_i,
 exp_avg_sq_i]``) through a fixed number of in-memory slots: reads of the next groups overlap the
 caller's work on the current one, and finished groups are written back asynchronously.
@@ -37,6 +43,8 @@ import concurrent.futures as cf
 import errno as errno_mod
 import os
 import re
+import stat
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -56,19 +64,70 @@ from microspeed_zero.aio import (
 )
 from microspeed_zero.host_memory import anonymous_pages
 
-__all__ = ["Prefetcher", "SwapError", "SwapHandle", "TensorFileStore", "rank_folder"]
+__all__ = ["Prefetcher", "SwapError", "SwapHandle", "TensorFileStore", "private_folder", "remove_private_folder"]
 
-#: Sub-folder of ``nvme_path`` that holds the per-rank swap folders.
+#: Sub-folder of ``nvme_path`` that holds the private swap folders (mode 0700, made if missing).
 SWAP_SUBDIR = "microspeed_zero"
 
+# the flags that create a swap file (refusing whatever is at its name) and that reopen it (never through a link)
+_CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+_REOPEN = os.O_NOFOLLOW
 
-def rank_folder(nvme_path: str, rank: int) -> str:
-    """The swap folder of one rank of this process: ``<nvme_path>/microspeed_zero/rank<r>-<pid>``.
 
-    The process id keeps two jobs (or a crashed job and its restart) sharing one ``nvme_path``
-    from touching each other's files.
+def _swap_root(nvme_path: str) -> str:
+    """``<nvme_path>/microspeed_zero``, made 0700 if missing; refused if it is a link, not a folder, another
+    user's, or writable by others (who could then replace the folders in it)."""
+    root = os.path.join(os.path.abspath(nvme_path), SWAP_SUBDIR)
+    try:
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot create the NVMe swap folder {root!r}: {exc.strerror or exc}; give an "
+                                 f"nvme_path you can write to") from exc
+    info = os.lstat(root)
+    problem = None
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link (swap files are never written through a link)"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a folder"
+    elif info.st_uid != os.geteuid():
+        problem = f"belongs to user id {info.st_uid}, not to this user ({os.geteuid()})"
+    elif info.st_mode & 0o022:
+        problem = f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    if problem is not None:
+        raise PermissionError(errno_mod.EACCES, f"the NVMe swap folder {root!r} {problem}; remove it (microspeed "
+                                                f"makes it again, mode 700) or give another nvme_path")
+    return root
+
+
+def private_folder(nvme_path: str, rank: int, purpose: str) -> str:
+    """A fresh private swap folder for one rank and one user of it (an engine's optimizer, its parameters).
+
+    ``<nvme_path>/microspeed_zero/rank<r>-<purpose>-<random>``, made by :func:`tempfile.mkdtemp` (mode 0700, a
+    name nobody can predict, never an existing folder), inside ``<nvme_path>/microspeed_zero`` (made 0700 if
+    missing; refused if it is a symbolic link, another user's or writable by others, with an error naming it).
+    Remove it with :func:`remove_private_folder` once its files are gone.
     """
-    return os.path.join(nvme_path, SWAP_SUBDIR, f"rank{int(rank)}-{os.getpid()}")
+    if not re.fullmatch(r"[A-Za-z0-9_]+", purpose):
+        raise ValueError(f"private_folder purpose must be letters, digits and '_', got {purpose!r}")
+    for _ in range(5):  # another store of this user may remove an empty microspeed_zero between the two calls
+        root = _swap_root(nvme_path)
+        try:
+            return tempfile.mkdtemp(prefix=f"rank{int(rank)}-{purpose}-", dir=root)
+        except FileNotFoundError:
+            continue
+    raise FileNotFoundError(errno_mod.ENOENT, f"the NVMe swap folder {root!r} keeps disappearing")
+
+
+def remove_private_folder(folder: str) -> None:
+    """Remove a folder made by :func:`private_folder` if it is empty, then ``microspeed_zero`` if empty too."""
+    for path in (folder, os.path.dirname(folder)):
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
 
 
 class SwapError(OSError):
@@ -82,6 +141,9 @@ class SwapError(OSError):
         code = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
         reason = reason or type(cause).__name__
+        if code in (errno_mod.EEXIST, errno_mod.ELOOP):
+            reason += (" -- a file or link this store did not create is at that name (swap files are never written "
+                       "through a link nor over a file already there)")
         message = f"NVMe swap {op} of key {key!r} (file {path!r}) failed: {reason}"
         if code is None:
             super().__init__(message)
@@ -219,8 +281,8 @@ def _cleanup(workers: list[cf.ThreadPoolExecutor], contexts: list[AioContext], e
 class TensorFileStore:
     """Named tensors in files under ``folder``, one file per key, moved by a thread pool.
 
-    ``folder`` is used as given and created if missing (see :func:`rank_folder` for the per-rank,
-    per-process name the offload code uses). Files are named ``<n>-<key>.swp`` (the key
+    ``folder`` is used as given and created (mode 0700) if missing; the offload code uses :meth:`private`, a
+    fresh private folder per rank and engine (:func:`private_folder`). Files are named ``<n>-<key>.swp`` (the key
     sanitised to a safe file name, ``n`` making it unique) and hold raw tensor bytes; they and the
     folders this store created are removed on :meth:`close` (or when the store is collected, or at
     interpreter exit). ``threads`` workers move ``block_size``-byte requests; a tensor larger than
@@ -257,7 +319,7 @@ class TensorFileStore:
                 break
             probe = parent
         try:
-            os.makedirs(self.folder, exist_ok=True)
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot create the NVMe swap folder {self.folder!r}: {exc.strerror or exc}") \
                 from exc
@@ -279,8 +341,22 @@ class TensorFileStore:
         self._contexts: list[AioContext] = []
         self._workers = [cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"microspeed-nvme{i}")
                          for i in range(self.threads)]
+        self._owned = created  # the folders close() removes when empty, deepest first
         self._finalizer = weakref.finalize(self, _cleanup, self._workers, self._contexts, self._entries, created,
                                            True)
+
+    @classmethod
+    def private(cls, nvme_path: str, rank: int, purpose: str, **options: object) -> TensorFileStore:
+        """A store in a fresh private folder under ``nvme_path`` (:func:`private_folder`), removed with its files
+        on :meth:`close`; ``options`` are the constructor's."""
+        folder = private_folder(nvme_path, rank, purpose)
+        try:
+            store = cls(folder, **options)  # type: ignore[arg-type]
+        except BaseException:
+            remove_private_folder(folder)
+            raise
+        store._owned.extend((folder, os.path.dirname(folder)))  # removed when empty, deepest first
+        return store
 
     # -- metadata -----------------------------------------------------------------------------
 
@@ -335,17 +411,22 @@ class TensorFileStore:
                 raise ValueError(f"swap key {key!r} already holds numel {entry.numel} dtype {entry.dtype}; "
                                  f"cannot re-allocate it as numel {numel} dtype {dtype} (remove() it first)")
             return
-        entry = self._new_entry(key, numel, dtype)
+        self._create(self._new_entry(key, numel, dtype), "allocate", sized=True)
+
+    def _create(self, entry: _Entry, op: str, sized: bool) -> None:
+        """Create ``entry``'s file (``O_EXCL | O_NOFOLLOW``: whatever is at its name is refused), ``sized`` to
+        its bytes (sparse) or empty; on failure forget the key and raise :class:`SwapError` naming the file."""
         try:
-            fd = os.open(entry.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            fd = os.open(entry.path, os.O_WRONLY | _CREATE, 0o600)
             try:
-                os.ftruncate(fd, entry.nbytes)
+                if sized:
+                    os.ftruncate(fd, entry.nbytes)
             finally:
                 os.close(fd)
         except OSError as exc:
             with self._lock:
-                self._entries.pop(key, None)
-            raise SwapError("allocate", key, entry.path, exc) from exc
+                self._entries.pop(entry.key, None)
+            raise SwapError(op, entry.key, entry.path, exc) from exc
 
     def numel(self, key: str) -> int:
         """The number of elements stored under ``key`` (:class:`KeyError` if unknown)."""
@@ -381,7 +462,7 @@ class TensorFileStore:
 
     def _read_chunk(self, path: str, view: memoryview, offset: int) -> None:
         """Fill ``view`` from ``path`` at byte ``offset`` (one chunk; runs on a pool thread)."""
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | _REOPEN)
         try:
             done = 0
             while done < len(view):
@@ -394,8 +475,9 @@ class TensorFileStore:
             os.close(fd)
 
     def _write_chunk(self, path: str, view: memoryview, offset: int) -> None:
-        """Write ``view`` to ``path`` at byte ``offset``, creating the file (one chunk; runs on a pool thread)."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        """Write ``view`` to ``path`` (created by :meth:`_create`) at byte ``offset`` (one chunk; runs on a pool
+        thread)."""
+        fd = os.open(path, os.O_WRONLY | _REOPEN)
         try:
             done = 0
             while done < len(view):
@@ -424,7 +506,7 @@ class TensorFileStore:
     def _direct(self, path: str, write: bool, address: int, view: memoryview, requests: list[tuple[int, int]],
                 base: int, stats: IoStats) -> None:
         """Move page-aligned ``requests`` with ``O_DIRECT``: kernel AIO, or one ``pread``/``pwrite`` at a time."""
-        fd = os.open(path, (os.O_WRONLY | os.O_CREAT if write else os.O_RDONLY) | os.O_DIRECT, 0o600)
+        fd = os.open(path, (os.O_WRONLY if write else os.O_RDONLY) | os.O_DIRECT | _REOPEN)
         try:
             ctx = self._context()
             if ctx is not None:
@@ -519,10 +601,8 @@ class TensorFileStore:
             if offset is not None:
                 raise KeyError(f"no tensor {key!r} in the NVMe swap store at {self.folder!r}; allocate() it before "
                                f"writing a piece at offset {offset}")
-            if self.direct:  # sized first: ext4 serialises direct writes that grow a file (0.3 vs 1.2-1.8 GB/s here)
-                self.allocate(key, tensor.numel(), tensor.dtype)
-            else:
-                self._new_entry(key, tensor.numel(), tensor.dtype)
+            # direct: sized first, ext4 serialises direct writes that grow a file (0.3 vs 1.2-1.8 GB/s here)
+            self._create(self._new_entry(key, tensor.numel(), tensor.dtype), "write", sized=self.direct)
         entry = self._matching(key, tensor, "tensor written", offset)
         return self._submit("write", entry, tensor, view, after, int(offset or 0) * tensor.element_size())
 

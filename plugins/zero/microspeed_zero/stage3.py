@@ -178,12 +178,10 @@ class ParameterPartitioner:
         self.reads: dict[int, tuple[Any, torch.Tensor]] = {}  # read-ahead of file-resident shards: handle, buffer
         self.shard_pool: AlignedPool | None = None  # buffers for shards read from files (see _launch)
         if self.cfg.offload_param == "nvme":
-            import os
+            from microspeed_zero.nvme import TensorFileStore
 
-            from microspeed_zero.nvme import TensorFileStore, rank_folder
-
-            folder = os.path.join(rank_folder(self.cfg.offload_param_nvme_path, comm.get_rank()), f"params{id(self)}")
-            self.store = TensorFileStore(folder, **self.cfg.aio.store_options())  # the aio section: direct I/O
+            self.store = TensorFileStore.private(self.cfg.offload_param_nvme_path, comm.get_rank(), "params",
+                                                 **self.cfg.aio.store_options())  # the aio section: direct I/O
         self._partition(model)
         if self.in_files:  # shards read from files: a prefetch bucket's read ahead, and the largest (room to reuse)
             item = max(s.dtype.itemsize for s in self.segments)

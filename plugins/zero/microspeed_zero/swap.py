@@ -3,8 +3,9 @@
 With ``zero_optimization.offload_optimizer.device = "nvme"`` this rank's fp32 master partition
 and the optimizer's element-wise state — Adam's two moments (three with AMSGrad), or the tensors an
 optimizer declares through :class:`~microspeed.plugin_api.ElementwiseState` — live in files under
-``rank_folder(nvme_path, rank)/optimizer<n>`` (:mod:`microspeed_zero.nvme`; ``n`` numbers the
-swappers of the process, so engines sharing ``nvme_path`` never share files), not in memory.
+a fresh private folder ``<nvme_path>/microspeed_zero/rank<r>-optimizer-<random>`` (mode 0700, one per
+swapper: :meth:`microspeed_zero.nvme.TensorFileStore.private`, so engines sharing ``nvme_path`` never share
+files and nobody else can plant one), not in memory.
 
 Layout: the elements of this rank's optimizer *runs* (:attr:`ZeroOptimizer.runs` — the stretches
 of each segment's slice whose parameters share a param group; padding and frozen parameters are
@@ -67,8 +68,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +79,7 @@ from torch.optim.adam import adam as _adam
 from microspeed.plugin_api import ConfigError, ElementwiseState, ParameterSums
 from microspeed_zero.aio import aligned_empty
 from microspeed_zero.grad_swap import GradientSwapper
-from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore, rank_folder
+from microspeed_zero.nvme import Prefetcher, SwapHandle, TensorFileStore
 
 MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 """Adam's element-wise state tensors kept in files (``max_exp_avg_sq`` is added when a group uses AMSGrad)."""
@@ -88,7 +87,6 @@ MOMENTS: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 ADAM: tuple[type, ...] = (torch.optim.Adam, torch.optim.AdamW)
 """Optimizers the swapper steps with torch's functional Adam itself (others must declare :class:`ElementwiseState`)."""
 
-_SEQUENCE = itertools.count()  # one swap folder per swapper: several engines of one process may share nvme_path
 _PLACEHOLDER = torch.zeros(1)  # what a run view points at while nothing is resident (reads 0, refuses writes)
 
 
@@ -218,9 +216,8 @@ class OptimizerSwapper:
         self._with_states = False
         self._materialized = False
         self._writeback = False
-        folder = os.path.join(rank_folder(cfg.offload_optimizer_nvme_path, _global_rank(rt)),
-                              f"optimizer{next(_SEQUENCE)}")
-        self.store = TensorFileStore(folder, **cfg.aio.store_options())  # the aio section: direct I/O
+        self.store = TensorFileStore.private(cfg.offload_optimizer_nvme_path, _global_rank(rt), "optimizer",
+                                             **cfg.aio.store_options())  # the aio section: direct I/O
         try:
             self._write_initial(dict(rt.masters))
             if rt.streams_gradients:

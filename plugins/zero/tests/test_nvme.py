@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from microspeed_zero.nvme import Prefetcher, SwapError, SwapHandle, TensorFileStore, rank_folder
+from microspeed_zero.nvme import Prefetcher, SwapError, SwapHandle, TensorFileStore, private_folder
 
 BLOCK = 4096  # small blocks so that modest tensors span several chunks
 
@@ -72,9 +72,12 @@ def _sample(numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 # -- layout and round trips -------------------------------------------------------------------
 
 
-def test_rank_folder_names_rank_and_pid(tmp_path):
-    folder = rank_folder(str(tmp_path), 3)
-    assert folder == os.path.join(str(tmp_path), "microspeed_zero", f"rank3-{os.getpid()}")
+def test_private_folder_names_rank_and_purpose_and_is_fresh(tmp_path):
+    folders = [private_folder(str(tmp_path), 3, "optimizer") for _ in range(2)]
+    assert folders[0] != folders[1]
+    for folder in folders:
+        assert os.path.dirname(folder) == os.path.join(str(tmp_path), "microspeed_zero")
+        assert os.path.basename(folder).startswith("rank3-optimizer-") and os.listdir(folder) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
@@ -278,14 +281,18 @@ def test_unwritable_folder_is_reported_at_wait(tmp_path):
     # Simulated without chmod (root ignores it): the folder is replaced by a plain file.
     folder = tmp_path / "swap"
     store = TensorFileStore(str(folder), block_size=BLOCK)
+    store.allocate("master.0", 10, torch.float32)
+    os.unlink(store.path("master.0"))
     os.rmdir(folder)
     folder.write_bytes(b"not a folder")
     handle = store.write_async("master.0", torch.ones(10))
     with pytest.raises(OSError) as info:
         handle.wait()
     assert "master.0" in str(info.value) and str(folder) in str(info.value)
-    with pytest.raises(OSError, match="master.1"):
+    with pytest.raises(OSError, match="master.1"):  # a new key's file is created at once: refused at once
         store.allocate("master.1", 10, torch.float32)
+    with pytest.raises(OSError, match="master.2"):
+        store.write_async("master.2", torch.ones(10))
     store.close()
 
 
@@ -327,8 +334,8 @@ def test_disk_full_is_reported_at_wait(tmp_path):
 
 
 def test_close_removes_files_and_created_folders(tmp_path):
-    folder = rank_folder(str(tmp_path), 0)
-    store = TensorFileStore(folder)
+    store = TensorFileStore.private(str(tmp_path), 0, "optimizer")
+    folder = store.folder
     store.write("a", torch.ones(10))
     store.allocate("b", 10, torch.float32)
     assert len(os.listdir(folder)) == 2
