@@ -35,6 +35,7 @@ from microspeed_zero.compositions import CPU_STEP_IS_ADAM, FEATURES, REFUSALS
 from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
 from microspeed_zero.runtime import ZeroRuntime
+from microspeed_zero.shm import drain_all
 
 
 class ZeroPlugin:
@@ -232,10 +233,12 @@ class ZeroPlugin:
 
     @hookimpl
     def microspeed_destroy(self) -> None:
-        """``engine.destroy()``: the runtime's hooks removed, collectives in flight finished, swap files closed."""
+        """``engine.destroy()``: the runtime's hooks removed, collectives in flight finished (the shared-memory
+        exchange's too: its worker is idle afterwards), swap files closed."""
         if self.rt is not None:
             self.rt.destroy()
             self.rt = None
+            drain_all()
 
     @hookimpl
     def microspeed_engine_api(self, engine) -> dict[str, Any] | None:

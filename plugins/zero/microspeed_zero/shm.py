@@ -26,6 +26,16 @@ write), and the mapping and the pipes are unlinked from the file system once eve
 nothing outlives the processes. Where any rank cannot set the exchange up, every rank keeps gloo's transport
 (rank 0 logs why).
 
+The end of the process. Stages 1-2 gather the stepped parameters asynchronously, and nothing waits for the last
+step's gathers before a script returns: the worker may still be copying when the interpreter exits. It is a daemon
+thread (it must not keep a failed job alive), and a daemon thread inside a torch operation (which releases the GIL)
+when the interpreter finalises is ended by ``pthread_exit`` as it takes the GIL back; the forced unwinding through
+torch's C++ GIL guard calls ``std::terminate`` and the rank aborts ("terminate called without an active exception")
+after the job's work is done, failing the job. So every exchange is stopped at exit (:func:`stop_all`, registered
+with ``atexit`` when this module is imported, so it runs before the handlers registered earlier: torch's among them):
+the operations issued finish (every rank issues the same ones, so its peers' workers serve them), the worker ends,
+and only then does the interpreter finalise. ``engine.destroy()`` waits for them too (:func:`drain_all`).
+
 It serves a gloo process group whose ranks all run on this host (same host name, boot id, network and mount
 namespaces);
 ``MICROSPEED_ZERO_SHM=0`` keeps gloo's transport. Its shared memory (``world x SLOTS x SLOT_BYTES``: 8 MiB on 2
@@ -35,6 +45,7 @@ term of the peak-RSS prediction).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import os
@@ -42,6 +53,7 @@ import queue
 import select
 import socket
 import struct
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -56,6 +68,10 @@ SLOT_BYTES, SLOTS = SHM_SLOT_BYTES, SHM_SLOTS  # (microspeed_zero.chunking: the 
 
 TIMEOUT_S = 600.0
 """Seconds a round waits for a peer before it fails."""
+
+EXIT_TIMEOUT_S = 60.0
+"""Seconds the end of the process (and ``engine.destroy()``) waits for the operations in flight (a peer still
+finishing its last step) before it abandons them with a warning."""
 
 ENV = SHM_ENV  # (microspeed_zero.chunking, read by the peak-RSS prediction too)
 
@@ -139,6 +155,19 @@ def local_exchange(group: Any, rank: int, world: int) -> LocalExchange | None:
                         "ZeRO's shared-memory exchange is unavailable (%s): its collectives use gloo's transport", exc)
     _exchanges[key] = ex
     return ex
+
+
+def drain_all(timeout: float = EXIT_TIMEOUT_S) -> bool:
+    """Wait for every operation issued so far on every exchange of this process (``engine.destroy()``); whether all
+    are done within ``timeout`` seconds each."""
+    return all([ex.drain(timeout) for ex in list(_exchanges.values()) if ex is not None])
+
+
+@atexit.register
+def stop_all(timeout: float = EXIT_TIMEOUT_S) -> bool:
+    """Stop every exchange of this process (:meth:`LocalExchange.stop`): run at interpreter exit, before it
+    finalises (see the module docstring); whether every worker ended."""
+    return all([ex.stop(timeout) for ex in list(_exchanges.values()) if ex is not None])
 
 
 class ExchangeWork:
@@ -229,11 +258,17 @@ class LocalExchange:
             _unlink(fifo)
         if rank == 0:
             _unlink(path)
+        self._begin()
+
+    def _begin(self) -> None:
+        """Start the worker over the mapping and pipes set up (``_map``, ``_post_in/out``, ``_ack_in/out``)."""
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._round = 0  # rounds issued (main thread)
         self._acked = {q: -1 for q in self._ack_in}  # last acknowledgement read from each peer (worker)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._worker = threading.Thread(target=self._run, name=f"zero-shm-{rank}", daemon=True)
+        self._stopped = False  # no operation is taken any more (main thread)
+        self._abandoned = False  # the worker must not start another round: the process is ending (see stop)
+        self._worker = threading.Thread(target=self._run, name=f"zero-shm-{self.rank}", daemon=True)
         self._worker.start()
 
     @property
@@ -302,18 +337,54 @@ class LocalExchange:
         return rounds
 
     def _submit(self, rounds: list[tuple[Callable, Callable, torch.dtype, int, int]]) -> ExchangeWork:
+        if self._stopped:
+            raise RuntimeError(f"ZeRO shared-memory exchange: rank {self.global_ranks[self.rank]}'s exchange was "
+                               f"stopped (the process is ending); no collective can go through it any more.")
         work = ExchangeWork()
         first = self._round
         self._round += len(rounds)
         self._queue.put((first, rounds, work))
         return work
 
+    # -- the end --------------------------------------------------------------------------------
+
+    def drain(self, timeout: float = EXIT_TIMEOUT_S) -> bool:
+        """Wait until every operation issued so far is done (their rounds need the peers to issue them too), at
+        most ``timeout`` seconds; whether they are. Issues nothing to the peers (a marker on this rank's queue)."""
+        if self._stopped:
+            return not self._worker.is_alive()
+        marker = self._submit([])
+        return marker._done.wait(timeout)
+
+    def stop(self, timeout: float = EXIT_TIMEOUT_S) -> bool:
+        """Finish the operations in flight (at most ``timeout`` seconds), then end the worker thread; whether it
+        ended. Afterwards the exchange takes no operation. Idempotent.
+
+        Where it did not end in time (a peer that never issued the operation, or hangs), the worker is told to start
+        no further round, so that it is never inside a torch operation when the interpreter finalises (see the
+        module docstring), and a warning names the exchange.
+        """
+        if not self._stopped:
+            self._stopped = True
+            self._queue.put(None)  # behind every operation issued: the worker ends once they are done
+        self._worker.join(timeout)
+        if not self._worker.is_alive():
+            return True
+        self._abandoned = True
+        print(f"microspeed: ZeRO's shared-memory exchange (rank {self.global_ranks[self.rank]}): operations issued "
+              f"before the end of the process were not done within {timeout:g} s (a peer did not issue them, or "
+              f"hangs); abandoned.", file=sys.stderr, flush=True)
+        return False
+
     # -- the worker -----------------------------------------------------------------------------
 
     def _run(self) -> None:
         failed: BaseException | None = None
         while True:
-            first, rounds, work = self._queue.get()
+            item = self._queue.get()
+            if item is None:  # stop(): every operation before it is done
+                return
+            first, rounds, work = item
             if failed is None:
                 try:
                     for i, (write, read, dtype, numel, kind) in enumerate(rounds):
@@ -327,6 +398,7 @@ class LocalExchange:
         for q, fd in self._ack_in.items():  # 1. the slot is free once every peer acknowledged round n - SLOTS
             while self._acked[q] < n - SLOTS:
                 self._acked[q] = self._recv(fd, q, "acknowledgement")[0]
+        self._go_on()
         write(self.slot(self.rank, n, dtype, numel))  # 2. fill it, post it
         msg = _MSG.pack(n, kind, numel)
         for q, fd in self._post_out.items():
@@ -334,14 +406,21 @@ class LocalExchange:
         if kind == _REDUCE:  # 3. every slot posted, one sum over all of them in rank order, then the acks
             for q, fd in self._post_in.items():
                 self._check(self._recv(fd, q, "slot"), q, n, kind, numel)
+            self._go_on()
             read([self.slot(q, n, dtype, numel) for q in range(self.world)])
             for q in self._post_in:
                 self._send(self._ack_out[q], q, msg)
             return
         for q, fd in self._post_in.items():  # 3. read each peer's slot once it is posted, acknowledge it
             self._check(self._recv(fd, q, "slot"), q, n, kind, numel)
+            self._go_on()
             read(q, self.slot(q, n, dtype, numel))
             self._send(self._ack_out[q], q, msg)
+
+    def _go_on(self) -> None:
+        """Before each torch operation of a round: raise when :meth:`stop` gave up on the worker."""
+        if self._abandoned:
+            raise RuntimeError("ZeRO shared-memory exchange: abandoned at the end of the process")
 
     def _check(self, got: tuple[int, int, int], q: int, n: int, kind: int, numel: int) -> None:
         if got != (n, kind, numel):
