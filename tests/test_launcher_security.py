@@ -209,3 +209,166 @@ def test_planted_pid_file_link_or_foreign_folder_is_refused(tmp_path):
     os.symlink(elsewhere, runtime / "microspeed")  # the folder itself planted as a link
     with pytest.raises(pidfile.PidFileError, match="is not a folder of this user"):
         pidfile.pid_path("job3", {"HOME": str(tmp_path), "XDG_RUNTIME_DIR": str(runtime)})
+
+
+# ---------------------------------------------------------------------------------------- store binding
+
+
+def _listening(port):
+    """The local addresses listening on TCP ``port`` on this machine (from ``/proc/net/tcp`` and ``tcp6``)."""
+    import ipaddress
+
+    found = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{name}", encoding="ascii") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            hex_addr, hex_port = local.split(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(hex_addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host-order
+            found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+pytestmark_linux = pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp")
+
+
+@pytestmark_linux
+def test_launcher_hosted_rendezvous_listens_on_its_address_only():
+    """The elastic ssh launch's rendezvous store (in the launcher) listened on every interface."""
+    from microspeed.testing.harness import free_port
+
+    port = free_port()
+    store = multinode.host_rendezvous("127.0.0.1", port)
+    try:
+        assert _listening(port) == {"127.0.0.1"}
+        store.set("k", "v")
+        assert store.get("k") == b"v"
+    finally:
+        del store
+
+
+@pytestmark_linux
+@pytest.mark.parametrize("use_libuv", ["1", "0"])
+def test_single_machine_stores_listen_on_loopback_only(monkeypatch, use_libuv):
+    """torchrun's static rendezvous store (the agent's, which the ranks and the watchdog's heartbeat use) and
+    ``init_process_group``'s ``env://`` store (rank 0's), started as ``microspeed run`` and its ranks start them,
+    listen on ``127.0.0.1`` only (torch's own listen on ``*``), with the libuv and the legacy backend."""
+    import datetime
+    import importlib
+
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    from microspeed import store_server
+    from microspeed.cli import run
+    from microspeed.testing.harness import free_port
+
+    pg_rendezvous = importlib.import_module("torch.distributed.rendezvous")
+    monkeypatch.setenv("USE_LIBUV", use_libuv)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("MICROSPEED_STORE_BIND", raising=False)
+    opts = type("Opts", (), {"standalone": False, "nnodes": "1"})()
+    store_server.install(spans_machines=run._spans_machines(opts))  # what run.launch does before torchrun
+    try:
+        agent_port, rank0_port = free_port(), free_port()
+        agent = StaticTCPRendezvous("127.0.0.1", agent_port, 0, 1, "job", 30).next_rendezvous()
+        rank0 = pg_rendezvous._create_c10d_store("127.0.0.1", rank0_port, 0, 1, datetime.timedelta(seconds=30),
+                                                 use_libuv=use_libuv == "1")
+        assert _listening(agent_port) == {"127.0.0.1"} and _listening(rank0_port) == {"127.0.0.1"}
+        agent.store.set("k", "1")
+        rank0.set("k", "2")
+        assert agent.store.get("k") == b"1" and rank0.get("k") == b"2"
+        del agent, rank0
+    finally:
+        store_server.uninstall()
+
+
+@pytestmark_linux
+def test_store_of_a_job_across_machines_listens_on_the_route_address_only(monkeypatch):
+    """Node 0's agent store in a job across machines (``--master_addr`` = node 0's address, as the hostfile launcher
+    finds it with ``hostname -I``): reachable at that address, not on loopback or any other interface."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+
+    from microspeed import store_server
+    from microspeed.netaddr import source_address
+    from microspeed.testing.harness import free_port
+
+    here = source_address("192.0.2.1")  # the address on the route out (TEST-NET-1: nothing is sent)
+    if here is None or here.startswith("127."):
+        pytest.skip("no non-loopback route on this machine")
+    monkeypatch.delenv("MICROSPEED_STORE_BIND", raising=False)
+    store_server.install(spans_machines=True)
+    try:
+        port = free_port(here)
+        agent = StaticTCPRendezvous(here, port, 0, 1, "job", 30).next_rendezvous()
+        assert _listening(port) == {here}
+        peer = TCPStore(here, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        peer.set("job/k", "v")
+        assert agent.store.get("k") == b"v"
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        del agent, peer
+    finally:
+        store_server.uninstall()
+
+
+def test_which_address_a_store_listens_on(monkeypatch):
+    from microspeed.netaddr import listen_address
+
+    monkeypatch.delenv("MICROSPEED_STORE_BIND", raising=False)
+    assert listen_address("127.0.0.1") == "127.0.0.1"  # an address: always itself
+    assert listen_address("localhost", spans_machines=False) == "127.0.0.1"
+    assert listen_address("localhost", spans_machines=True) is None  # a name other machines may resolve otherwise
+    assert listen_address("192.0.2.123") is None  # not this machine's (TEST-NET-1)
+    monkeypatch.setenv("MICROSPEED_STORE_BIND", "all")
+    assert listen_address("127.0.0.1") is None
+
+
+_PROBE = """\
+import json, os, sys
+sys.path.insert(0, {tests!r})
+import torch.distributed as dist
+from microspeed.comm import setup
+from microspeed.observe import watchdog
+from test_launcher_security import _listening
+setup.init_distributed(dist_backend="gloo")
+wd = watchdog.start(60)
+dist.barrier()
+if dist.get_rank() == 0:
+    wd.store.set("probe", "1")  # the heartbeat store: a client of the same server
+    port = int(os.environ["MASTER_PORT"])
+    print("RESULT " + json.dumps({{"listen": sorted(_listening(port)), "heartbeat": wd.store.get("probe").decode()}}))
+dist.barrier()
+watchdog.stop()
+dist.destroy_process_group()
+"""
+
+
+@pytestmark_linux
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_two_rank_job_on_one_machine_serves_its_store_on_loopback_only(tmp_path):
+    """``microspeed run --nproc-per-node 2``: the agent's store, which the ranks' process group and the
+    watchdog's heartbeat use, listens on 127.0.0.1 only (torchrun's listens on every interface)."""
+    import json
+
+    from microspeed.testing.harness import free_port
+
+    (tmp_path / "probe.py").write_text(_PROBE.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "MICROSPEED_STORE_BIND"}
+    proc = subprocess.run([sys.executable, "-m", "microspeed.cli", "run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "probe.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=150)
+    lines = [ln for ln in proc.stdout.splitlines() if "RESULT " in ln]
+    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    assert json.loads(lines[0].split("RESULT ", 1)[1]) == {"listen": ["127.0.0.1"], "heartbeat": "1"}

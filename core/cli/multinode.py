@@ -332,15 +332,16 @@ def first_address(host: str, ssh_args: Sequence[str] = (), port: int | None = No
 
 
 def host_rendezvous(addr: str, port: int) -> object:
-    """Start the c10d rendezvous store of an elastic launch in this process (a ``TCPStore`` server at
-    ``addr:port``; it serves as long as the returned object lives); :class:`LaunchError` when the port is taken."""
+    """Start the c10d rendezvous store of an elastic launch in this process (a ``TCPStore`` server listening on
+    ``addr:port`` only, :class:`microspeed.store_server.BoundTCPStore`; it serves as long as the returned object
+    lives); :class:`LaunchError` when the port is taken."""
     import datetime
 
-    from torch.distributed import TCPStore
+    from microspeed.store_server import BoundTCPStore
 
     try:
-        return TCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                        timeout=datetime.timedelta(seconds=60))
+        return BoundTCPStore(addr, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                             timeout=datetime.timedelta(seconds=60))
     except Exception as exc:  # RuntimeError / DistNetworkError from the C++ side
         raise LaunchError(f"cannot host the rendezvous at {addr}:{port} ({exc}): give a free --master_port, or "
                           f"--master_addr to have that node host it") from None

@@ -253,6 +253,9 @@ def launch(args: Sequence[str]) -> int:
     for name in quiet:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     restore = _report_restarts() if opts.max_restarts > 0 else None
+    from microspeed import store_server
+
+    store_server.install(spans_machines=_spans_machines(opts))  # the agent's stores listen on one address
     try:
         torchrun.run(opts)
     except ChildFailedError as exc:
@@ -276,6 +279,16 @@ def launch(args: Sequence[str]) -> int:
     if own_log_dir:
         shutil.rmtree(opts.log_dir, ignore_errors=True)
     return 0
+
+
+def _spans_machines(opts: Any) -> bool:
+    """Whether torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) allows more than one machine (``--standalone``: no)."""
+    if getattr(opts, "standalone", False):
+        return False
+    try:
+        return max(int(n) for n in str(opts.nnodes).split(":")) > 1
+    except ValueError:
+        return True
 
 
 def _report_restarts() -> Any:

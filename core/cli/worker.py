@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         print("usage: python -m microspeed.cli.worker (script.py | -m module) [args]", file=sys.stderr)
         return 2
+    from microspeed import store_server
+
+    store_server.install(store_server.spans_machines_from_env())  # a store rank 0 serves listens on one address
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         _run(argv)

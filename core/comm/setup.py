@@ -68,6 +68,9 @@ def init_distributed(
     if init_method is None and "MASTER_ADDR" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    from microspeed import store_server
+
+    store_server.install(store_server.spans_machines_from_env())  # rank 0's store listens on one address
     kwargs: dict[str, Any] = {"init_method": init_method or "env://", "timeout": timeout}
     if rank >= 0:
         kwargs["rank"] = rank
