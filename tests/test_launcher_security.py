@@ -111,6 +111,15 @@ def test_every_ssh_argv_has_the_host_after_double_dash(tmp_path, monkeypatch):
         assert argv.index("-F") < argv.index("--")  # the user's own options stay options
 
 
+def test_master_address_answered_by_node_0_must_be_an_address(monkeypatch):
+    """``hostname -I`` on node 0 gives the master address every node is started with; an answer that is an
+    option is refused, naming where it came from."""
+    answer = type("Done", (), {"returncode": 0, "stdout": "-oProxyCommand=x 10.0.0.1\n", "stderr": ""})
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: answer)
+    with pytest.raises(HostfileError, match=r"n0's `hostname -I`: host '-oProxyCommand=x' is not a host name"):
+        multinode.first_address("n0")
+
+
 # ---------------------------------------------------------------------------------------- environment
 
 

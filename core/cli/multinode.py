@@ -328,7 +328,7 @@ def first_address(host: str, ssh_args: Sequence[str] = (), port: int | None = No
     if not words:
         raise LaunchError(f"cannot find {host}'s address with `hostname -I` over ssh: give --master_addr (an "
                           f"address of the first host that every host can reach)")
-    return words[0]
+    return check_host(words[0], f"{host}'s `hostname -I`")
 
 
 def host_rendezvous(addr: str, port: int) -> object:
