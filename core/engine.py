@@ -376,17 +376,17 @@ class Engine(torch.nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, load_rng_state: bool = False) -> tuple[str | None, dict]:
+                        load_module_only: bool = False, load_rng_state: bool = False,
+                        verify: bool = True) -> tuple[str | None, dict]:
         """Load a checkpoint written by :meth:`save_checkpoint` (any world size); return ``(path, client_state)``.
 
-        ``(None, {})`` with a warning when ``load_dir`` has no ``latest`` and no ``tag`` is given.
-        Random-number state is left alone, as DeepSpeed does, unless ``load_rng_state=True``
-        (each rank then continues the Python, numpy and torch streams it saved).
+        ``(None, {})`` with a warning when ``load_dir`` has no ``latest`` and no ``tag`` is given. RNG state is left
+        alone, as DeepSpeed does, unless ``load_rng_state=True``. ``verify=False``: load one without checksums.
         """
         return self.plugins.answered("microspeed_load_checkpoint", self.hook.microspeed_load_checkpoint(
             engine=self, load_dir=load_dir, tag=tag, load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states, load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only, load_rng_state=load_rng_state))
+            load_module_only=load_module_only, load_rng_state=load_rng_state, verify=verify))
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -487,8 +487,10 @@ def microspeed_save_checkpoint(engine: Engine, save_dir: str, tag: str | None, c
 @hookspec(firstresult=True)
 def microspeed_load_checkpoint(engine: Engine, load_dir: str, tag: str | None, load_module_strict: bool,
                                load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                               load_module_only: bool, load_rng_state: bool) -> tuple[str | None, dict] | None:
+                               load_module_only: bool, load_rng_state: bool,
+                               verify: bool) -> tuple[str | None, dict] | None:
     """Who reads a checkpoint into ``engine``; returns ``(path, client_state)`` (``(None, {})``: none found).
+    ``verify``: refuse tensors the checkpoint carries no checksums for (``False``: the caller trusts the files).
 
     Default: the built-in ``checkpointing`` (:func:`microspeed.checkpoint.load`, any world size).
     """

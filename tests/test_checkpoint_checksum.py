@@ -1,7 +1,7 @@
 """Checksums of checkpoint tensor files: flipped bytes or a truncated shard are refused naming the file.
 
 Every item a rank writes gets a crc32 in the manifest (``tensor_files``), checked on every read; older
-checkpoints written by DCP's per-tensor writer (no ``tensor_files``) still load.
+checkpoints written by DCP's per-tensor writer (no ``tensor_files``) load only with ``verify=False``.
 """
 
 from __future__ import annotations
@@ -69,8 +69,9 @@ def test_a_damaged_shard_is_refused_naming_the_file(tmp_path, damage):
         assert "The file is corrupted" in str(info.value)
 
 
-def test_checkpoints_without_checksums_still_load(tmp_path):
-    """The layout before checksums: DCP's per-tensor files and a manifest without ``tensor_files``."""
+def test_checkpoints_without_checksums_load_only_unverified(tmp_path):
+    """The layout before checksums: DCP's per-tensor files and a manifest without ``tensor_files``: refused by
+    default (nothing to verify them with), loaded with ``verify=False``."""
     engine = _engine(0)
     _train(engine, 0, 2)
     engine.save_checkpoint(str(tmp_path), tag="new")
@@ -85,7 +86,10 @@ def test_checkpoints_without_checksums_still_load(tmp_path):
     _write_bytes(str(old / MANIFEST), pack(manifest))
     assert not storage.is_raw(checkpoint.read_tensor_index(str(old)))
     other = _engine(1)
-    other.load_checkpoint(str(tmp_path), tag="old")
+    with pytest.raises(CheckpointError, match="no checksums.*verify=False") as info:
+        other.load_checkpoint(str(tmp_path), tag="old")
+    assert info.value.path == str(old / MANIFEST)
+    other.load_checkpoint(str(tmp_path), tag="old", verify=False)
     for a, b in zip(_params(engine), _params(other), strict=True):
         assert torch.equal(a, b)
     assert _train(engine, 0, 2) == _train(other, 0, 2)

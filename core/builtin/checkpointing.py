@@ -99,14 +99,15 @@ class CheckpointingPlugin:
     @hookimpl(trylast=True)
     def microspeed_load_checkpoint(self, engine: Any, load_dir: str, tag: str | None, load_module_strict: bool,
                                    load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                                   load_module_only: bool, load_rng_state: bool) -> tuple[str | None, dict]:
+                                   load_module_only: bool, load_rng_state: bool,
+                                   verify: bool) -> tuple[str | None, dict]:
         """:func:`microspeed.checkpoint.load`."""
         from microspeed import checkpoint
 
         return checkpoint.load(engine, load_dir, tag=tag, load_module_strict=load_module_strict,
                                load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                               load_rng_state=load_rng_state)
+                               load_rng_state=load_rng_state, verify=verify)
 
     @hookimpl(trylast=True)
     def microspeed_save_16bit_model(self, engine: Any, save_dir: str, save_filename: str,

@@ -44,7 +44,10 @@ completion marker; once every rank's is there, rank 0 writes the index and the m
 folder to ``<tag>`` and then replaces ``latest`` with ``os.replace``. A save interrupted anywhere (a
 rank killed, a writer failing) leaves ``latest`` naming the previous tag. Unreadable, truncated,
 foreign or corrupted files (a crc32 mismatch) raise :class:`CheckpointError` naming the file;
-checkpoints written before checksums existed (DCP's per-tensor files) load unverified.
+checkpoints without checksums (written before checksums existed as DCP's per-tensor files, or stripped) are
+refused unless the caller passes ``verify=False`` (``--no-verify`` on ``microspeed checkpoint``). Every path a
+file names (``latest``'s tag, the index's file names) must stay inside its folder; re-saving a tag swaps the
+folders in one atomic step (:mod:`~microspeed.checkpoint.layout`).
 
 **Asynchronous and periodic saves.** With ``"checkpoint": {"async_save": true}`` a save blocks only
 while this rank's tensors are copied into a CPU staging buffer; a thread writes them
@@ -99,7 +102,7 @@ from microspeed.checkpoint.layout import (
 from microspeed.checkpoint.loading import get_fp32_state_dict, load, load_optimizer_state
 from microspeed.checkpoint.manifest import TensorRef
 from microspeed.checkpoint.names import optimizer_param_names
-from microspeed.checkpoint.reader import Reader
+from microspeed.checkpoint.reader import Reader, check_verifiable
 from microspeed.checkpoint.saving import (
     merge_model_parts,
     merge_optimizer_parts,
@@ -133,6 +136,7 @@ __all__ = [
     "TensorRef",
     "apply_placements",
     "box_shard",
+    "check_verifiable",
     "collect_placements",
     "flat_range_boxes",
     "flat_shard",

@@ -43,12 +43,15 @@ import torch
 
 from microspeed.checkpoint import (
     LATEST,
+    MANIFEST,
     CheckpointError,
     Reader,
+    check_verifiable,
     read_manifest,
     read_tensor_index,
     resolve_tag_dir,
 )
+from microspeed.checkpoint.layout import _TMP, _check_tag, resolve_inside
 from microspeed.checkpoint.manifest import join
 
 __all__ = ["DEEPSPEED_VERSION", "export_deepspeed", "read_microspeed"]
@@ -57,17 +60,19 @@ DEEPSPEED_VERSION = "0.19.8"
 """The ``ds_version`` written into exported files: the DeepSpeed release whose layout this follows."""
 
 
-def read_microspeed(ckpt_dir: str, tag: str | None = None) -> dict[str, Any]:
+def read_microspeed(ckpt_dir: str, tag: str | None = None, verify: bool = True) -> dict[str, Any]:
     """Every tensor and the manifest of a microspeed checkpoint, without a process group.
 
     Returns ``{"tag_dir", "manifest", "module", "masters", "optimizer", "lr_scheduler", "client_state"}``:
     ``module`` is the state dict in the training dtype (tied keys share one tensor), ``masters`` the
     fp32 masters by name (empty for an fp32 run), ``optimizer`` the manifest's optimizer section with
-    tensors filled in (``None`` when none was saved).
+    tensors filled in (``None`` when none was saved). ``verify=False`` reads a checkpoint without checksums
+    (:func:`~microspeed.checkpoint.reader.check_verifiable`).
     """
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     manifest = read_manifest(tag_dir)
     metadata = read_tensor_index(tag_dir)
+    check_verifiable(tag_dir, manifest, metadata, verify)
     reader = Reader(tag_dir, metadata, manifest)
     tensors = {key: reader.fresh(key) for key in metadata.state_dict_metadata if reader.has(key)}
     reader.run(no_dist=True)
@@ -231,15 +236,40 @@ def _zero_optim_files(ck: dict[str, Any], stage: int, world: int, param_names: l
     } for rank in per_rank]
 
 
+def _out_tag_dir(ck: dict[str, Any], out_dir: str) -> str:
+    """``out_dir/<tag>`` for the manifest's tag, which must be a plain folder name that stays inside ``out_dir``."""
+    holder = os.path.join(ck["tag_dir"], MANIFEST)
+    out_tag = ck["manifest"].get("tag") or os.path.basename(os.path.normpath(ck["tag_dir"]))
+    try:
+        if not isinstance(out_tag, str):
+            raise CheckpointError(f"a tag is a string, not a {type(out_tag).__name__}.")
+        _check_tag(out_tag)
+    except CheckpointError as exc:
+        raise CheckpointError(f"export-deepspeed: {holder} names the tag {out_tag!r}, which cannot be a folder of "
+                              f"{out_dir}: {exc} The manifest is damaged or was crafted; nothing was written.",
+                              holder) from exc
+    return resolve_inside(out_dir, out_tag, holder)
+
+
+def _save(obj: Any, path: str) -> None:
+    """``torch.save`` into a fresh file renamed over ``path`` (a planted symlink at ``path`` is replaced, not
+    followed)."""
+    tmp = f"{path}{_TMP}{os.urandom(4).hex()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def export_deepspeed(ckpt_dir: str, out_dir: str, tag: str | None = None, zero_stage: int | None = None,
-                     world_size: int | None = None) -> str:
+                     world_size: int | None = None, verify: bool = True) -> str:
     """Write the microspeed checkpoint ``ckpt_dir`` (``tag`` or ``latest``) in DeepSpeed's layout under ``out_dir``.
 
     ``zero_stage`` picks the layout (default: the run's ``zero_optimization.stage``, 3 written as 2);
     ``world_size`` the number of ZeRO partitions (default: the ranks that saved it). Writes
-    ``out_dir/<tag>/`` and ``out_dir/latest``; returns a one-line report.
+    ``out_dir/<tag>/`` and ``out_dir/latest``; returns a one-line report. The tag is the manifest's: one that
+    is not a plain folder name of ``out_dir`` (``../..``, an absolute path, a symlink leading out) is refused
+    naming the manifest. ``verify=False`` reads a checkpoint without checksums.
     """
-    ck = read_microspeed(ckpt_dir, tag)
+    ck = read_microspeed(ckpt_dir, tag, verify=verify)
     manifest = ck["manifest"]
     config = manifest.get("config") or {}
     source_stage = _zero_stage(config)
@@ -250,8 +280,8 @@ def export_deepspeed(ckpt_dir: str, out_dir: str, tag: str | None = None, zero_s
     world = int(world_size if world_size is not None else manifest.get("world_size") or 1)
     if world < 1:
         raise CheckpointError(f"export-deepspeed: --world-size {world_size} must be at least 1.")
-    out_tag = manifest.get("tag") or os.path.basename(os.path.normpath(ck["tag_dir"]))
-    tag_dir = os.path.join(out_dir, out_tag)
+    tag_dir = _out_tag_dir(ck, out_dir)
+    out_tag = os.path.basename(tag_dir)
     os.makedirs(tag_dir, exist_ok=True)
     if stage == 0:
         param_names = [list(g["params"]) for g in (ck["optimizer"] or {}).get("param_groups", [])]
@@ -262,10 +292,10 @@ def export_deepspeed(ckpt_dir: str, out_dir: str, tag: str | None = None, zero_s
         param_names = [list(g["params"]) for g in _groups(ck)]
         states = _model_states(ck, stage, world, param_names)
         optim_files = _zero_optim_files(ck, stage, world, param_names)
-    torch.save(states, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
+    _save(states, os.path.join(tag_dir, "mp_rank_00_model_states.pt"))
     for r, osd in enumerate(optim_files):
-        torch.save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": DEEPSPEED_VERSION},
-                   os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        _save({"optimizer_state_dict": osd, "ds_config": config, "ds_version": DEEPSPEED_VERSION},
+              os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
     tmp = os.path.join(out_dir, f".{LATEST}.tmp")
     with open(tmp, "w") as fh:
         fh.write(out_tag)

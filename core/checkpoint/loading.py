@@ -16,6 +16,7 @@ from microspeed.checkpoint.layout import (
     _COUNTERS,
     LATEST,
     _no_dist,
+    latest_tag_dir,
     read_latest,
     read_manifest,
     read_tensor_index,
@@ -29,14 +30,14 @@ from microspeed.checkpoint.names import (
     _ordered_union,
     optimizer_param_names,
 )
-from microspeed.checkpoint.reader import Reader
+from microspeed.checkpoint.reader import Reader, check_verifiable
 from microspeed.checkpoint.rng import _restore_rng
 from microspeed.checkpoint.sharding import collect_placements
 
 
 def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
          load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-         load_module_only: bool = False, load_rng_state: bool = False) -> tuple[str | None, dict]:
+         load_module_only: bool = False, load_rng_state: bool = False, verify: bool = True) -> tuple[str | None, dict]:
     """Restore ``engine`` from ``load_dir`` (``tag``, or the one ``latest`` names); every rank calls this.
 
     Returns ``(tag_dir, client_state)``, or ``(None, {})`` with a warning when ``load_dir`` has no
@@ -45,7 +46,11 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
     ones); when false, the names both have are loaded and the others listed in a warning.
     ``load_module_only``: only the weights (fp32 masters included); no optimizer, scheduler,
     counters, plugin state or RNG. ``load_rng_state``: restore every rank's Python, numpy and torch
-    random-number state as saved (DeepSpeed's ``load_checkpoint`` never does; off by default).
+    random-number state as saved (DeepSpeed's ``load_checkpoint`` never does; off by default). ``verify``: a
+    checkpoint whose manifest carries no checksums for its tensor files (the layout before checksums, or
+    stripped) is refused unless this is ``False``
+    (:func:`~microspeed.checkpoint.reader.check_verifiable`). When ``latest`` names a folder a
+    publish left missing, the newest complete leftover of that tag is loaded, with a warning.
     """
     _wait_for_saves(engine)
     if tag is None:
@@ -54,10 +59,14 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
             warnings.warn(f"load_checkpoint: {os.path.join(load_dir, LATEST)} not found; nothing was loaded. "
                           f"Pass tag=... to load a specific checkpoint.", CheckpointWarning, stacklevel=3)
             return None, {}
-    tag_dir = os.path.join(load_dir, str(tag))
+        tag_dir = latest_tag_dir(load_dir, tag, lambda msg: warnings.warn(msg, CheckpointWarning, stacklevel=5))
+    else:
+        tag_dir = os.path.join(load_dir, str(tag))
     manifest = read_manifest(tag_dir)
+    metadata = read_tensor_index(tag_dir)
+    check_verifiable(tag_dir, manifest, metadata, verify)
     rank = comm.get_rank()
-    reader = Reader(tag_dir, read_tensor_index(tag_dir), manifest, collect_placements(engine), rank)
+    reader = Reader(tag_dir, metadata, manifest, collect_placements(engine), rank)
     after: list[Callable[[], None]] = []
 
     _load_module(engine, manifest, reader, tag_dir, load_module_strict, after)
@@ -210,16 +219,19 @@ def _load_counters(engine: Any, manifest: dict) -> None:
         engine.micro_steps = engine.global_steps * gas
 
 
-def get_fp32_state_dict(ckpt_dir: str, tag: str | None = None) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict(ckpt_dir: str, tag: str | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
     """The module's full state dict with floating-point tensors in fp32, read without a process group.
 
     ``ckpt_dir`` is a save folder (``tag`` or ``latest`` picks the tag) or a tag folder. fp32
     master weights are preferred where the run was fp16/bf16; tied duplicates are the same tensor
-    object, as in ``module.state_dict()``. Keys come in the module's order.
+    object, as in ``module.state_dict()``. Keys come in the module's order. ``verify=False`` reads a
+    checkpoint without checksums (refused otherwise, as by :func:`load`).
     """
     tag_dir = resolve_tag_dir(ckpt_dir, tag)
     manifest = read_manifest(tag_dir)
-    reader = Reader(tag_dir, read_tensor_index(tag_dir), manifest)
+    metadata = read_tensor_index(tag_dir)
+    check_verifiable(tag_dir, manifest, metadata, verify)
+    reader = Reader(tag_dir, metadata, manifest)
     model = manifest["model"]
     aliases = model.get("aliases", {})
     loaded: dict[str, torch.Tensor] = {}

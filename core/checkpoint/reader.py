@@ -12,8 +12,45 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from microspeed.checkpoint import storage
 from microspeed.checkpoint.errors import CheckpointError
-from microspeed.checkpoint.layout import MANIFEST, _find_unreadable_file, _quiet_dcp, _short, read_manifest
+from microspeed.checkpoint.layout import (
+    _DCP_INDEX,
+    MANIFEST,
+    _find_unreadable_file,
+    _quiet_dcp,
+    _short,
+    read_manifest,
+    resolve_inside,
+)
 from microspeed.checkpoint.sharding import Pieces, Placement, _is_sharded, box_shard, place_pieces, placement_of
+
+NO_VERIFY_HINT = ("If you trust these files, load them with verify=False (engine.load_checkpoint(..., verify=False), "
+                  "microspeed.checkpoint.get_fp32_state_dict(..., verify=False)) or `microspeed checkpoint ... "
+                  "--no-verify`; saving the loaded engine again writes a checkpoint with checksums.")
+"""How to load a checkpoint :func:`check_verifiable` refuses: the switch, in every entry point's spelling."""
+
+
+def check_verifiable(tag_dir: str, manifest: dict[str, Any], metadata: Metadata, verify: bool = True) -> None:
+    """Refuse (:class:`CheckpointError` naming the manifest and the switch) tensors that cannot be verified.
+
+    Verifiable: the index is this module's raw layout (:mod:`~microspeed.checkpoint.storage`) and the manifest's
+    ``tensor_files`` holds a crc32 list for every file the index names. Checkpoints written by DCP's own writer
+    (microspeed's layout before checksums) or stripped of ``tensor_files`` load only with ``verify=False``.
+    """
+    if not verify:
+        return
+    path = os.path.join(tag_dir, MANIFEST)
+    files = manifest.get("tensor_files")
+    if not storage.is_raw(metadata) or not isinstance(files, dict):
+        raise CheckpointError(f"{path} carries no checksums for the tensors of {tag_dir} (no 'tensor_files'; "
+                              f"written by torch.distributed.checkpoint's own writer, by a microspeed before "
+                              f"checksums, or stripped), so what they hold cannot be verified. {NO_VERIFY_HINT}", path)
+    named = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    unlisted = [rel for rel in named if not isinstance(files.get(rel), dict)
+                or files[rel].get("checksum") != storage.CHECKSUM or not isinstance(files[rel].get("items"), list)]
+    if unlisted:
+        raise CheckpointError(f"{path} has no {storage.CHECKSUM} checksums for {unlisted[:4]}, which "
+                              f"{os.path.join(tag_dir, _DCP_INDEX)} names, so what they hold cannot be verified. "
+                              f"{NO_VERIFY_HINT}", path)
 
 
 class Reader:
@@ -125,6 +162,9 @@ class Reader:
                     break
             else:
                 rounds.append({key: target})
+        index = os.path.join(self.tag_dir, _DCP_INDEX)
+        for rel in {info.relative_path for info in (self.metadata.storage_data or {}).values()}:
+            resolve_inside(self.tag_dir, rel, index)  # DCP's reader would open whatever the index names
         for r in rounds:
             self._load(r, no_dist)
         with torch.no_grad():

@@ -6,9 +6,13 @@ world size, with the batch triad the ``elasticity`` section picks for it — run
 
 Which checkpoint: the tag ``<dir>/latest`` names when that folder is complete (it holds a readable manifest and
 tensor index whose files all exist at full length: what :func:`microspeed.checkpoint.save` publishes last);
-otherwise, the complete tag folder written last (``.tmp-`` folders of interrupted saves never count). Rank 0
-chooses and every rank loads the same tag (``engine.load_checkpoint``: model, optimizer, scheduler, counters,
-plugin state such as the data loader's position; not the RNG streams, as DeepSpeed's default).
+otherwise, with a warning naming what was skipped and why, the complete folder written last (by the manifest's
+time) — a tag folder, or the ``<tag>.tmp-*`` folder an interrupted save or publish left when it is complete (a
+publish interrupted between its two renames, where the atomic exchange is not available, leaves the previous
+and the new folder only under such names: see :mod:`microspeed.checkpoint.layout`). A run starts fresh only when
+no complete checkpoint is left at all. Rank 0 chooses and every rank loads the same tag
+(``engine.load_checkpoint``: model, optimizer, scheduler, counters, plugin state such as the data loader's
+position; not the RNG streams, as DeepSpeed's default).
 
 What the client sees: ``engine.global_steps`` and the other counters continue, one log line names the folder
 and step, ``engine.resumed_from`` is the tag folder loaded and ``engine.resumed_client_state`` the
@@ -22,7 +26,15 @@ from typing import Any
 
 from microspeed import comm
 from microspeed.checkpoint.errors import CheckpointError
-from microspeed.checkpoint.layout import _TMP, LATEST, read_latest, read_manifest, read_tensor_index
+from microspeed.checkpoint.layout import (
+    _TMP,
+    LATEST,
+    leftovers,
+    read_latest,
+    read_manifest,
+    read_tensor_index,
+    resolve_inside,
+)
 
 KEY = "checkpoint.auto_resume_dir"
 
@@ -49,6 +61,13 @@ def _write_time(tag_dir: str) -> float:
         return os.path.getmtime(tag_dir)
 
 
+def newest_complete(save_dir: str, names: list[str]) -> str | None:
+    """The one of the folders ``names`` of ``save_dir`` that is complete and was written last (``None``: none)."""
+    complete = [(_write_time(os.path.join(save_dir, n)), n) for n in names
+                if incomplete_reason(os.path.join(save_dir, n)) is None]
+    return max(complete)[1] if complete else None
+
+
 def find_resume_tag(save_dir: str) -> tuple[str | None, list[str]]:
     """``(tag, notes)``: the tag to resume from in ``save_dir`` (``None``: none complete) and what was skipped."""
     notes: list[str] = []
@@ -58,20 +77,27 @@ def find_resume_tag(save_dir: str) -> tuple[str | None, list[str]]:
         latest = read_latest(save_dir)
     except CheckpointError as exc:
         latest = None
-        notes.append(str(exc))
+        notes.append(f"{exc}; it is skipped")
     if latest is not None:
         reason = incomplete_reason(os.path.join(save_dir, latest))
         if reason is None:
             return latest, notes
-        notes.append(f"{os.path.join(save_dir, LATEST)} names {latest!r}, which is incomplete ({reason})")
-    complete = []
-    for name in sorted(os.listdir(save_dir)):
-        path = os.path.join(save_dir, name)
-        if name.startswith(".") or _TMP in name or name == latest or not os.path.isdir(path):
-            continue
-        if incomplete_reason(path) is None:
-            complete.append((_write_time(path), name))
-    return (max(complete)[1] if complete else None), notes
+        notes.append(f"{os.path.join(save_dir, LATEST)} names {latest!r}, which is incomplete ({reason}); "
+                     f"it is skipped")
+    tags = [n for n in sorted(os.listdir(save_dir)) if not n.startswith(".") and _TMP not in n and n != latest
+            and os.path.isdir(os.path.join(save_dir, n))]
+    left = leftovers(save_dir)
+    for name in list(tags + left):  # a symlink leading out of the folder is not one of its checkpoints
+        try:
+            resolve_inside(save_dir, name, save_dir)
+        except CheckpointError:
+            (tags if name in tags else left).remove(name)
+            notes.append(f"{os.path.join(save_dir, name)} leads outside {save_dir} (a symlink); it is skipped")
+    best = newest_complete(save_dir, tags + left)
+    if best in left:
+        notes.append(f"the newest complete checkpoint is {os.path.join(save_dir, best)}, left by a save of "
+                     f"{best.split(_TMP)[0]!r} that was interrupted before or while publishing; resuming from it")
+    return best, notes
 
 
 def auto_resume(engine: Any, save_dir: str) -> str | None:
@@ -95,7 +121,7 @@ def auto_resume(engine: Any, save_dir: str) -> str | None:
     tag, notes = choice
     if rank0:
         for note in notes:
-            log.warning(f"{KEY}: {note}; it is skipped")
+            log.warning(f"{KEY}: {note}")
     engine.resumed_from, engine.resumed_client_state = None, None
     if tag is None:
         if rank0:

@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from microspeed.checkpoint.direct_io import open_stream
 from microspeed.checkpoint.errors import CheckpointError
-from microspeed.checkpoint.layout import _DCP_INDEX, MANIFEST, _fsync_dir, _write_bytes
+from microspeed.checkpoint.layout import _DCP_INDEX, MANIFEST, _fsync_dir, _write_bytes, resolve_inside
 from microspeed.checkpoint.manifest import pack, unpack
 from microspeed.checkpoint.sharding import Pieces, is_on_demand
 
@@ -512,7 +512,7 @@ def read_boxes(tag_dir: str, metadata: Metadata, files: dict[str, Any] | None,
         info = metadata.storage_data[index]
         by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index))
     for rel, chunks in sorted(by_file.items()):
-        path = os.path.join(tag_dir, rel)
+        path = resolve_inside(tag_dir, rel, os.path.join(tag_dir, _DCP_INDEX))
         crcs = {at: crc for at, _n, crc in (files or {}).get(rel, {}).get("items", [])} if files is not None else None
         with open(path, "rb") as fh:
             for at, length, index in sorted(chunks, key=lambda c: c[0]):

@@ -2,12 +2,13 @@
 
 ::
 
-    microspeed checkpoint consolidate CKPT_DIR OUT [--tag TAG]   # one full fp32 state dict (.pt / .safetensors)
+    microspeed checkpoint consolidate CKPT_DIR OUT [--tag TAG] [--no-verify]  # one full fp32 state dict
     microspeed checkpoint import-deepspeed DS_DIR OUT_DIR [--tag TAG]
-    microspeed checkpoint export-deepspeed CKPT_DIR DST [--tag TAG] [--zero-stage S] [--world-size N]
+    microspeed checkpoint export-deepspeed CKPT_DIR DST [--tag TAG] [--zero-stage S] [--world-size N] [--no-verify]
     microspeed checkpoint info CKPT_DIR [--tag TAG]              # what a checkpoint holds
 
-None of them needs a process group or the world size the checkpoint was written with.
+None of them needs a process group or the world size the checkpoint was written with. The commands that read
+tensors refuse a checkpoint without checksums unless given ``--no-verify``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 def _consolidate(opts: argparse.Namespace) -> int:
     from microspeed.checkpoint import get_fp32_state_dict, save_state_dict_file
 
-    state = get_fp32_state_dict(opts.ckpt_dir, tag=opts.tag)
+    state = get_fp32_state_dict(opts.ckpt_dir, tag=opts.tag, verify=opts.verify)
     save_state_dict_file(state, opts.out)
     total = sum(t.numel() for k, t in state.items())
     print(f"wrote {opts.out}: {len(state)} tensors, {total:,} elements (fp32)")
@@ -39,7 +40,7 @@ def _export_deepspeed(opts: argparse.Namespace) -> int:
     from microspeed.checkpoint.export import export_deepspeed
 
     print(export_deepspeed(opts.ckpt_dir, opts.out_dir, tag=opts.tag, zero_stage=opts.zero_stage,
-                           world_size=opts.world_size))
+                           world_size=opts.world_size, verify=opts.verify))
     return 0
 
 
@@ -63,6 +64,11 @@ def _info(opts: argparse.Namespace) -> int:
     return 0
 
 
+def _no_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="read a checkpoint whose manifest carries no checksums (older layout); trust its files")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``microspeed checkpoint``; returns the exit code (1 on a checkpoint error)."""
     parser = argparse.ArgumentParser(prog="microspeed checkpoint", description=__doc__.split("\n\n")[0])
@@ -71,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("ckpt_dir", help="a save folder (uses 'latest' or --tag) or a tag folder")
     p.add_argument("out", help="output file; .safetensors needs the safetensors package")
     p.add_argument("--tag", default=None)
+    _no_verify(p)
     p.set_defaults(run=_consolidate)
     p = sub.add_parser("import-deepspeed", help="convert a DeepSpeed checkpoint (ZeRO stage 0-3) into ours")
     p.add_argument("ds_dir", help="DeepSpeed's save folder (with 'latest') or one of its tag folders")
@@ -85,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="layout to write (default: the run's stage; a stage-3 run is written as stage 2)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ZeRO partitions to write (default: the number of ranks that saved it)")
+    _no_verify(p)
     p.set_defaults(run=_export_deepspeed)
     p = sub.add_parser("info", help="print what a checkpoint holds")
     p.add_argument("ckpt_dir")
