@@ -522,7 +522,9 @@ def microspeed_checkpoint_state(engine: Engine) -> dict[str, Any] | None:
     ``state`` is a tree of dicts, lists and tuples. Its tensors are written through
     ``torch.distributed.checkpoint`` under ``plugins/<plugin_name>/<path>`` (key them by
     parameter name, so the checkpoint reloads under another topology); its small Python values
-    go into the msgpack manifest. The state is taken to be the same on every rank (tensors are
+    go into the msgpack manifest, as data: ``None``, bools, ints, floats, strings, bytes, torch
+    dtypes and numpy numbers (any other object, a ``set`` or an ``Enum``, is refused at save: store
+    its plain value). The state is taken to be the same on every rank (tensors are
     de-duplicated across ranks); see :mod:`microspeed.checkpoint`.
     """
 

@@ -3,7 +3,8 @@
 ``microspeed checkpoint import-deepspeed DS_DIR OUT_DIR`` moves a running job over: module weights
 always, fp32 master weights (fp16/bf16 runs) and Adam-style optimizer state where DeepSpeed saved
 them, counters, LR-scheduler state, the fp16 loss scale and client state. DeepSpeed need not be
-installed: its pickled helper objects (loss scaler, enums) are read as plain attribute bags.
+installed: its files are read as data (``torch.load(weights_only=True)``), DeepSpeed's own helper objects (loss
+scaler, enums) admitted by name and read as plain attribute bags; any other object in a file is refused.
 
 DeepSpeed's layout (read from DeepSpeed 0.19.8's ``runtime/engine.py`` and ZeRO optimizers):
 
@@ -34,15 +35,14 @@ from __future__ import annotations
 import glob
 import math
 import os
-import pickle
 import re
-import types
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from microspeed.checkpoint import CheckpointError, new_manifest, read_latest, write_checkpoint
+from microspeed.checkpoint.errors import CheckpointNotFoundError
 from microspeed.checkpoint.manifest import split
 
 __all__ = ["import_deepspeed", "read_deepspeed"]
@@ -59,7 +59,7 @@ _KNOWN_KEYS = {
 
 
 class _Foreign:
-    """Stands for a DeepSpeed object in a pickle: keeps constructor args and attributes, nothing else."""
+    """Stands for a DeepSpeed object in a checkpoint: keeps constructor args and attributes, nothing else."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _Foreign:
         obj = super().__new__(cls)
@@ -81,30 +81,46 @@ class _Foreign:
         return int(self.__dict__["_args"][0])
 
 
-class _Unpickler(pickle.Unpickler):
-    _made: dict[tuple[str, str], type] = {}
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+"""The DeepSpeed classes DeepSpeed 0.19.8's checkpoint files hold (``get_unsafe_globals_in_checkpoint`` over
+saves at ZeRO stages 0-3 in fp32, bf16 and fp16): read as attribute bags, DeepSpeed need not be installed."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "deepspeed" or module.startswith("deepspeed."):
-            key = (module, name)
-            if key not in self._made:
-                self._made[key] = type(name, (_Foreign,), {"__module__": f"deepspeed-stub:{module}"})
-            return self._made[key]
-        return super().find_class(module, name)
-
-
-_pickle_module = types.ModuleType("microspeed_deepspeed_pickle")
-_pickle_module.Unpickler = _Unpickler  # type: ignore[attr-defined]
-_pickle_module.load = lambda f, **kw: _Unpickler(f, **kw).load()  # type: ignore[attr-defined]
-_pickle_module.__dict__["UnpicklingError"] = pickle.UnpicklingError
+_STAND_INS: list[tuple[type, str]] = [
+    (type(name.rsplit(".", 1)[1], (_Foreign,), {"__module__": f"deepspeed-stub:{name.rsplit('.', 1)[0]}"}), name)
+    for name in DEEPSPEED_GLOBALS]
 
 
 def _load(path: str) -> dict[str, Any]:
+    """One DeepSpeed ``.pt`` file as data: ``torch.load(weights_only=True)``, DeepSpeed's classes as stand-ins.
+
+    A file that names any other global (a class or function torch's weights-only unpickler does not admit, and
+    that is not one of :data:`DEEPSPEED_GLOBALS`) is refused with a :class:`CheckpointError` saying it is not
+    data; nothing in it is imported or called.
+    """
+    allowed = {name for _cls, name in _STAND_INS}
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_pickle_module)
+        foreign = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(path) if g not in allowed]
+    except Exception:  # not a zip checkpoint (the legacy format, or foreign bytes): torch.load below judges it
+        foreign = []
+    if foreign:
+        raise CheckpointError(f"{path} is not data: it names {', '.join(sorted(foreign)[:4])}, which a DeepSpeed "
+                              f"checkpoint never holds; microspeed reads DeepSpeed files with torch.load("
+                              f"weights_only=True) and never runs what they hold. Load a checkpoint from a trusted "
+                              f"source.", path)
+    try:
+        with torch.serialization.safe_globals(_STAND_INS):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"{path}: not a readable DeepSpeed checkpoint file ({type(exc).__name__}: {exc}).",
-                              path) from exc
+        text = str(exc)
+        refused = "weights_only" in text.lower() or "Weights only load failed" in text
+        kind = "is not data (torch's weights-only unpickler refused it)" if refused else \
+            "is not a readable DeepSpeed checkpoint file (truncated or foreign file)"
+        raise CheckpointError(f"{path} {kind}: {type(exc).__name__}: {text[:600]}", path) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a dict, found {type(obj).__name__}.", path)
     return obj
@@ -318,7 +334,7 @@ def read_deepspeed(ds_dir: str, tag: str | None = None) -> dict[str, Any]:
     """
     tag_dir = _tag_dir(ds_dir, tag)
     if not os.path.isdir(tag_dir):
-        raise FileNotFoundError(f"import-deepspeed: {tag_dir} does not exist.")
+        raise CheckpointNotFoundError(f"import-deepspeed: {tag_dir} does not exist.", tag_dir)
     others = [p for p in glob.glob(os.path.join(tag_dir, "*mp_rank_*")) if not re.search(r"mp_rank_00_", p)]
     if others:
         raise CheckpointError(f"{tag_dir}: model-parallel checkpoints ({os.path.basename(others[0])}) are not "

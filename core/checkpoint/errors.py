@@ -11,5 +11,9 @@ class CheckpointError(ValueError):
         self.path = path
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint file or folder asked for does not exist: a :class:`CheckpointError` and a ``FileNotFoundError``."""
+
+
 class CheckpointWarning(UserWarning):
     """Something was tolerated while loading (non-strict names, no ``latest``, a changed topology)."""

@@ -44,12 +44,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from microspeed import comm
-from microspeed.checkpoint.errors import CheckpointError, CheckpointWarning
+from microspeed.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
 from microspeed.checkpoint.manifest import unpack
+from microspeed.checkpoint.tensor_index import read_index_file
 
 MANIFEST = "manifest.msgpack"
 """Name of the manifest file inside a tag folder."""
@@ -203,8 +203,8 @@ def read_manifest(tag_dir: str) -> dict[str, Any]:
         if os.path.isdir(tag_dir) and any(n.endswith("_model_states.pt") for n in os.listdir(tag_dir)):
             hint = (" It holds a DeepSpeed checkpoint: convert it with "
                     "`microspeed checkpoint import-deepspeed DS_DIR OUT_DIR`.")
-        raise FileNotFoundError(f"load_checkpoint: {path} does not exist (tag {os.path.basename(tag_dir)!r} in "
-                                f"{os.path.dirname(tag_dir) or '.'}).{hint}")
+        raise CheckpointNotFoundError(f"load_checkpoint: {path} does not exist (tag {os.path.basename(tag_dir)!r} in "
+                                      f"{os.path.dirname(tag_dir) or '.'}).{hint}", path)
     try:
         with open(path, "rb") as fh:
             manifest = unpack(fh.read())
@@ -224,13 +224,7 @@ def read_tensor_index(tag_dir: str) -> Metadata:
     path = os.path.join(tag_dir, _DCP_INDEX)
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {tag_dir} holds no complete tensor data.", path)
-    try:
-        metadata = dcp.FileSystemReader(tag_dir).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{path} is not a readable torch.distributed.checkpoint index (truncated or "
-                              f"foreign file: {type(exc).__name__}: {exc}).", path) from exc
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path} is not a torch.distributed.checkpoint index.", path)
+    metadata = read_index_file(path)  # restricted unpickler: never runs what the file holds
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

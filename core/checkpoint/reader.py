@@ -22,6 +22,7 @@ from microspeed.checkpoint.layout import (
     resolve_inside,
 )
 from microspeed.checkpoint.sharding import Pieces, Placement, _is_sharded, box_shard, place_pieces, placement_of
+from microspeed.checkpoint.tensor_index import CheckedFileSystemReader
 
 NO_VERIFY_HINT = ("If you trust these files, load them with verify=False (engine.load_checkpoint(..., verify=False), "
                   "microspeed.checkpoint.get_fp32_state_dict(..., verify=False)) or `microspeed checkpoint ... "
@@ -191,7 +192,8 @@ class Reader:
     def _load(self, plan: dict[str, torch.Tensor], no_dist: bool) -> None:
         try:
             with _quiet_dcp():
-                dcp.load(plan, storage_reader=dcp.FileSystemReader(self.tag_dir), no_dist=no_dist)
+                dcp.load(plan, storage_reader=CheckedFileSystemReader(self.tag_dir, self.metadata),  # not pickle.load
+                         no_dist=no_dist)
         except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
             bad = _find_unreadable_file(self.tag_dir, self.metadata)
             where = bad or self.tag_dir

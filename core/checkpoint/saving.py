@@ -98,6 +98,10 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         plugin_states.update(state or {})
     plugins_part = {name: split(st, f"plugins/{name}", tensors) for name, st in plugin_states.items()}
     client_part = split(dict(client_state or {}), "client", tensors if rank == 0 else {})
+    # the manifest holds plain values only (never a pickle): anything else is refused here, on every rank, naming
+    # its path, before a file is written
+    pack({"model": {"extra": extra}, "optimizer": optimizer_part, "lr_scheduler": scheduler_part,
+          "plugin_states": plugins_part, "client_state": client_part})
     apply_placements(tensors, collect_placements(engine), rank)
     items = local_items(tensors)
     on_demand = any(is_on_demand(i.source) for i in items)

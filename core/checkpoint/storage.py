@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 from microspeed.checkpoint.direct_io import open_stream
 from microspeed.checkpoint.errors import CheckpointError
 from microspeed.checkpoint.layout import _DCP_INDEX, MANIFEST, _fsync_dir, _write_bytes, resolve_inside
-from microspeed.checkpoint.manifest import pack, unpack
+from microspeed.checkpoint.manifest import dtype_named, pack, unpack
 from microspeed.checkpoint.sharding import Pieces, is_on_demand
 
 RAW_FORMAT = "microspeed.raw.1"
@@ -386,6 +386,27 @@ def mark_failed(tmp: str, rank: int, message: str) -> None:
         pass
 
 
+def _is_ints(value: Any) -> bool:
+    return isinstance(value, list) and len(value) <= 64 and all(type(n) is int and 0 <= n < 2**62 for n in value)
+
+
+def _check_index(index: Any, path: str, rank: int) -> dict[str, Any]:
+    """``index`` (rank ``rank``'s ``__<r>_0.index``, unpacked) when it has the fields :func:`_write_index` writes."""
+    items = index.get("items") if isinstance(index, dict) else None
+    good = (isinstance(index, dict) and index.get("file") == data_file(rank) and _is_ints([index.get("bytes")])
+            and isinstance(items, list))
+    for item in items if good else []:
+        good = (isinstance(item, list) and len(item) == 8 and isinstance(item[0], str) and isinstance(item[1], str)
+                and dtype_named(item[1]) is not None and _is_ints(item[2])
+                and _is_ints(item[3]) and _is_ints(item[4]) and _is_ints(item[5:8]))
+        if not good:
+            break
+    if not good:
+        raise CheckpointError(f"{path} is not a rank's checkpoint index (expected file {data_file(rank)!r}, its "
+                              f"size and items of key, dtype, shape, offsets, sizes, offset, length, crc32).", path)
+    return index
+
+
 def _wait_for_indexes(tmp: str, world: int, timeout_s: float,
                       lost: Callable[[list[int]], dict[int, str]] | None = None) -> list[dict[str, Any]]:
     """Every rank's index (rank 0 polls for them); a failed marker, a rank ``lost`` names, or the timeout raise.
@@ -408,7 +429,7 @@ def _wait_for_indexes(tmp: str, world: int, timeout_s: float,
             path = os.path.join(tmp, index_file(r))
             if os.path.exists(path):
                 with open(path, "rb") as fh:
-                    found[r] = unpack(fh.read())
+                    found[r] = _check_index(unpack(fh.read(), where=path), path, r)  # data only
         if len(found) == world:
             return [found[r] for r in range(world)]
         if lost is not None and time.monotonic() >= next_look:
