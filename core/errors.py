@@ -29,3 +29,8 @@ class EngineUsageError(RuntimeError, AssertionError):
 
     Also an :class:`AssertionError`, because DeepSpeed asserts these rules and callers catch that.
     """
+
+
+class NonFiniteError(FloatingPointError):
+    """Training met ``max_consecutive_nonfinite_steps`` optimizer steps in a row whose loss or gradient norm
+    was NaN or inf; each was skipped. The message names the step and the config key."""

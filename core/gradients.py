@@ -3,7 +3,9 @@
 * **Replica groups.** A parameter is replicated over the data-parallel group unless a plugin says
   otherwise (:class:`ReplicaGroup`, DeepSpeed's ``param.allreduce = False``: the experts of a
   Mixture-of-Experts layer live on some ranks only).
-* **Overflow.** :func:`has_inf_or_nan`, one host sync per device, for loss scaling.
+* **Overflow.** :func:`has_inf_or_nan`, one host sync per device, for loss scaling; and
+  :meth:`GradNorm.finite`, the one non-finite check of every step (fp32, bf16, fp16 after unscaling): a
+  NaN or inf loss or gradient skips the step on every rank.
 * **The global gradient norm**, computed in one place (:func:`global_grad_norm`). The kernel sums
   every gradient's squares once: over the topology's model-parallel group by default, and over
   whatever else a plugin declares for a parameter through the collected hook
@@ -330,6 +332,30 @@ class GradNorm:
         if topology.model_parallel_size > 1:
             comm.all_reduce(total, group=topology.model_parallel_group)
         return total.sqrt()
+
+    def finite(self, norm: torch.Tensor | float) -> bool:
+        """Whether this step's global ``norm`` (from :meth:`__call__`) is finite — the same answer on every rank.
+
+        The kernel's one check of a step's numbers, made by whoever steps the optimizer between the norm
+        and the step: ``False`` means skip the step (``StepOutcome(applied=False, nonfinite=True)``). A
+        non-finite loss counts too: the built-in ``gradient_clipping`` plugin makes its gradients NaN, so a
+        NaN or inf anywhere in the loss or the gradients reaches the norm. One host sync, no pass over the
+        gradients (the norm is computed anyway). The norm is the same on every rank when the gradients were
+        averaged (the built-in reduction), or when it was summed over their partitions (``partitioned_over``)
+        and the model-parallel group; when a plugin that does not partition took the reduction over (a 1-bit
+        optimizer's compressed phase: gradients stay local), the flag is agreed with one all-reduce over the
+        data-parallel group, so every rank skips or none does.
+        """
+        from microspeed.capabilities import GradientPartitioning, Role
+
+        flag = torch.isfinite(torch.as_tensor(norm)).logical_not().float().reshape(())
+        engine = self.engine
+        group = engine.topology.data_parallel_group
+        local = engine.owner(Role.GRADIENT_REDUCTION) is not None and \
+            engine.capabilities.get(GradientPartitioning) is None
+        if local and comm.get_world_size(group) > 1:
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return not bool(flag)
 
     def _owners(self, grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor] | None) -> list[int]:
         if params is not None:

@@ -429,7 +429,9 @@ def microspeed_optimizer_step(engine: Engine) -> StepOutcome | None:
 
     Default: clip (through :func:`microspeed_clip_gradients`), then ``optimizer.step()``.
     Mixed precision answers first: unscale, check overflow (skip and lower the scale), clip,
-    step the fp32 masters, copy back.
+    step the fp32 masters, copy back. Whoever answers asks ``engine.grad_norm.finite(norm)`` between
+    the norm and the step, and skips a non-finite one with ``StepOutcome(applied=False, nonfinite=True)``
+    (the same answer on every rank): bad numbers never train.
     """
 
 
@@ -630,14 +632,19 @@ class StepOutcome:
     """What an optimizer step did: whether it was applied, and the global gradient norm.
 
     ``grad_norm`` may be a 0-d tensor (read it lazily, so that a GPU step needs no host sync) or
-    a float, or ``None`` when it was not measured.
+    a float, or ``None`` when it was not measured. ``nonfinite``: the step was skipped because the
+    loss or the gradient norm was not finite (``engine.grad_norm.finite``) — not an fp16 overflow,
+    which the loss scaler answers by lowering the scale; the built-in ``gradient_clipping`` plugin logs
+    it and ends the job after ``max_consecutive_nonfinite_steps`` such steps in a row.
     """
 
-    __slots__ = ("applied", "grad_norm")
+    __slots__ = ("applied", "grad_norm", "nonfinite")
 
-    def __init__(self, applied: bool, grad_norm: float | None = None) -> None:
+    def __init__(self, applied: bool, grad_norm: float | None = None, nonfinite: bool = False) -> None:
         self.applied = applied
         self.grad_norm = grad_norm
+        self.nonfinite = nonfinite
 
     def __repr__(self) -> str:
-        return f"StepOutcome(applied={self.applied}, grad_norm={self.grad_norm})"
+        extra = ", nonfinite=True" if self.nonfinite else ""
+        return f"StepOutcome(applied={self.applied}, grad_norm={self.grad_norm}{extra})"

@@ -91,7 +91,8 @@ class MixedPrecisionPlugin:
                 "bf16_optimizer_states": "optimizer states are always fp32",
                 "immediate_grad_update": "a switch of DeepSpeed's BF16_Optimizer, which microspeed does not have; "
                                          "gradients reach the fp32 masters at the accumulation boundary",
-                "check_grad_overflow": "bf16 runs without a loss scaler, so no step is skipped on overflow",
+                "check_grad_overflow": "bf16 runs without a loss scaler; a step whose loss or gradient norm is not "
+                                       "finite is always skipped (see max_consecutive_nonfinite_steps)",
             }),
             "data_types": Section({
                 "grad_accum_dtype": Field((str, type(None)), None, "dtype gradients accumulate in",
@@ -230,7 +231,7 @@ class MixedPrecisionPlugin:
 
     @hookimpl(tryfirst=True)
     def microspeed_optimizer_step(self, engine) -> StepOutcome | None:
-        """Unscale, skip on overflow, clip, step the fp32 masters, copy them back."""
+        """Unscale, skip on overflow, clip, skip a non-finite norm, step the fp32 masters, copy them back."""
         if self.dtype is None or self._stepped_elsewhere():
             return None
         if not self.accumulate_fp32:
@@ -245,6 +246,8 @@ class MixedPrecisionPlugin:
                 return StepOutcome(applied=False, grad_norm=None)
             torch._foreach_mul_(grads, 1.0 / self._scale_used)
         norm = engine.hook.microspeed_clip_gradients(engine=engine, grads=grads)
+        if not engine.grad_norm.finite(norm):  # a NaN/inf loss or gradient (bf16; fp16 past the overflow check)
+            return StepOutcome(applied=False, grad_norm=norm, nonfinite=True)
         engine.optimizer.step()
         with torch.no_grad():
             for p, m in self.pairs:

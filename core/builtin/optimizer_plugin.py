@@ -47,8 +47,10 @@ class OptimizerPlugin:
 
     @hookimpl(trylast=True)
     def microspeed_optimizer_step(self, engine) -> StepOutcome:
-        """Clip by the global norm, then step."""
+        """Clip by the global norm, then step — unless the norm is not finite (then skip: ``nonfinite``)."""
         grads = [p.grad for g in engine.optimizer.param_groups for p in g["params"] if p.grad is not None]
         norm = engine.hook.microspeed_clip_gradients(engine=engine, grads=grads)
+        if not engine.grad_norm.finite(norm):
+            return StepOutcome(applied=False, grad_norm=norm, nonfinite=True)
         engine.optimizer.step()
         return StepOutcome(applied=True, grad_norm=norm)

@@ -5,7 +5,8 @@ Built by :class:`microspeed_zero.plugin.ZeroPlugin`; kept on the engine as
 
 1. backward: gradients are reduced into this rank's partition (:mod:`microspeed_zero.reduce`);
 2. ``step()``: overflow check (fp16) across ranks, global norm from the partitions (squares
-   summed over the data-parallel group), one coefficient for unscaling and clipping, the inner
+   summed over the data-parallel group; a norm that is not finite skips the step on every rank through the
+   kernel's ``engine.grad_norm.finite``), one coefficient for unscaling and clipping, the inner
    optimizer on this rank's runs, masters copied into the parameters' slice (with the optimizer on NVMe,
    :mod:`microspeed_zero.swap` streams masters, state and — stages 2, 3 — the gradient partition, which
    backward writes to its files as it reduces: :mod:`microspeed_zero.grad_swap`);
@@ -441,6 +442,9 @@ class ZeroRuntime:
         target = self.master_device or self.device
         grads = {i: g.to(device=target, dtype=torch.float32) for i, g in grads.items()}  # fp32 (a view when it is)
         norm = self._global_norm(grads) / scale
+        if not engine.grad_norm.finite(norm):  # NaN/inf loss or gradient: summed over the group, so every rank agrees
+            self.zero_grad()
+            return StepOutcome(applied=False, grad_norm=norm, nonfinite=True)
         coef = 1.0 / scale
         if self.max_norm > 0:
             coef = torch.clamp(self.max_norm / (norm + 1e-6), max=1.0) / scale
