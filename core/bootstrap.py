@@ -64,7 +64,7 @@ def initialize(
         pm.load_all(disabled=_disabled_plugins(raw), extra=plugins)
         pm.hook.microspeed_plugins_loaded(plugins=pm)
         cfg = parse(raw, merge_schema(pm.hook.microspeed_config_sections()),
-                    _argument_problems(raw, optimizer, lr_scheduler))
+                    _argument_problems(raw, model, optimizer, lr_scheduler))
     except Exception as exc:  # noqa: BLE001 - any error, re-raised on this rank and reported on the others
         error = exc
     _check_ranks_agree(pm, cfg, error)
@@ -109,6 +109,7 @@ def initialize(
         if training_data is not None:
             engine.training_dataloader = pm.answered("microspeed_make_dataloader", pm.hook.microspeed_make_dataloader(
                 engine=engine, dataset=training_data, collate_fn=collate_fn))
+            _check_training_data(engine, training_data, engine.training_dataloader)
 
     _agreed(optimize)
     engine.grad_norm.prepare()
@@ -117,6 +118,48 @@ def initialize(
 
 
 T = TypeVar("T")
+
+
+def _length(obj: Any) -> int | None:
+    """``len(obj)``, or ``None`` for an object without a length (an iterable dataset, a repeating loader)."""
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _check_training_data(engine: Engine, dataset: Any, loader: Any) -> None:
+    """Refuse training data no step can be drawn from, naming the keys and the numbers.
+
+    An empty dataset; a micro-batch larger than one data-parallel rank's share (``ceil(len / ranks)`` samples,
+    as ``DistributedSampler`` pads it; with ``dataloader_drop_last`` a loader that yields no micro-batch at all);
+    ``gradient_accumulation_steps`` larger than the micro-batches of one epoch (no epoch reaches a step).
+    Datasets and loaders without a length are not checked.
+    """
+    n = _length(dataset)
+    if n is None:
+        return
+    ranks = engine.topology.data_parallel_size
+    mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    if n == 0:
+        raise ConfigError("initialize(training_data=...): the dataset is empty (len 0); training would take no "
+                          "step. Pass a dataset with samples.")
+    share = -(-n // ranks)
+    batches = _length(loader)
+    if mbs > share or batches == 0:
+        each = f"{share}" if n % ranks == 0 else f"{n // ranks} or {share}"
+        raise ConfigError(
+            f"train_micro_batch_size_per_gpu={mbs} is larger than the dataset can fill: {n} samples over {ranks} "
+            f"data-parallel rank(s) give each rank {each} samples"
+            f"{', and with dataloader_drop_last no micro-batch is left' if batches == 0 else ''}. Lower "
+            f"train_micro_batch_size_per_gpu (and train_batch_size) to at most {max(n // ranks, 1)}, or give more "
+            f"data.")
+    if batches is not None and gas > batches:
+        raise ConfigError(
+            f"gradient_accumulation_steps={gas} is more than the {batches} micro-batches of "
+            f"train_micro_batch_size_per_gpu={mbs} one epoch gives each rank ({n} samples over {ranks} data-parallel "
+            f"rank(s)): no epoch reaches an optimizer step. Lower gradient_accumulation_steps (train_batch_size="
+            f"{engine.train_batch_size()}) to at most {batches}, or give more data.")
 
 
 def _agreed(phase: Callable[[], T]) -> T:
@@ -130,9 +173,19 @@ def _agreed(phase: Callable[[], T]) -> T:
     return result
 
 
-def _argument_problems(raw: dict[str, Any], optimizer: Any, lr_scheduler: Any) -> list[str]:
-    """Problems between ``initialize()``'s arguments and the config, reported with the config's own."""
+def _argument_problems(raw: dict[str, Any], model: torch.nn.Module, optimizer: Any, lr_scheduler: Any) -> list[str]:
+    """Problems between ``initialize()``'s arguments and the config, reported with the config's own.
+
+    A model with no trainable parameter is refused when an optimizer is asked for (it would step nothing);
+    without one it is an evaluation engine, which DeepSpeed allows too.
+    """
     problems = []
+    if (optimizer is not None or "optimizer" in raw) and not any(p.requires_grad for p in model.parameters()):
+        count = sum(1 for _ in model.parameters())
+        problems.append(f"initialize(model=...): the model {type(model).__name__} has no trainable parameters "
+                        f"({count} parameters, none with requires_grad=True), but an optimizer is configured: it "
+                        f"would train nothing. Unfreeze the parameters to train, or drop the 'optimizer' section "
+                        f"(and initialize(optimizer=...)) for an evaluation-only engine.")
     if optimizer is not None and "optimizer" in raw:
         problems.append("optimizer: given both in the config's 'optimizer' section and as "
                         "initialize(optimizer=...); keep one of them.")

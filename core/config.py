@@ -12,6 +12,7 @@ import base64
 import difflib
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -55,6 +56,8 @@ class Field:
     choices: tuple[Any, ...] | None = None
     auto: bool = False
     required: bool = False
+    infinite: bool = False
+    """Accepts ``inf`` (``steps_per_print``: never). NaN is refused everywhere, inf unless this is set."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,10 @@ def _validate(path: str, value: Any, spec: Field | Section, report: _Report) -> 
     if not _type_ok(value, spec.types):
         report.problems.append(f"{path}: expected {_type_name(spec.types)}, got {value!r} ({type(value).__name__}).")
         return value
+    bad = _nonfinite(path, value, spec.infinite)
+    if bad is not None:
+        report.problems.append(bad)
+        return value
     if spec.choices is not None and value not in spec.choices:
         hint = _suggest(value, [c for c in spec.choices if isinstance(c, str)]) if isinstance(value, str) else ""
         msg = f"{path}: got {value!r};{hint} accepted values: {', '.join(map(repr, spec.choices))}."
@@ -152,9 +159,32 @@ def _validate(path: str, value: Any, spec: Field | Section, report: _Report) -> 
     return value
 
 
+def _nonfinite(path: str, value: Any, inf_ok: bool = False) -> str | None:
+    """The problem with the first NaN or infinity in ``value`` (a number, or lists and objects of them), or ``None``.
+
+    A non-finite number is never a setting: ``lr: inf`` turns every weight into NaN at the first step. The
+    message names the key path (``optimizer.params.lr``, ``...betas[1]``).
+    """
+    if isinstance(value, float) and not math.isfinite(value) and not (inf_ok and value == math.inf):
+        return (f"{path}: got {value!r}; expected a finite number (NaN and infinity are refused in every numeric "
+                f"key: `lr: inf` would make every weight non-finite at the first step).")
+    if isinstance(value, Mapping):
+        items = ((f"{path}.{k}", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for where, item in items:
+        bad = _nonfinite(where, item)
+        if bad is not None:
+            return bad
+    return None
+
+
 def _validate_section(path: str, given: Mapping[str, Any], section: Section, report: _Report,
                       present: bool = True) -> dict[str, Any]:
-    if section.open:
+    if section.open:  # its owner checks the keys; numbers must be finite whoever owns them
+        report.problems.extend(p for p in (_nonfinite(f"{path}.{k}", v) for k, v in given.items()) if p)
         return dict(given)
     out: dict[str, Any] = {}
     for key, value in given.items():
@@ -375,6 +405,10 @@ def parse(raw: Mapping[str, Any], schema: Section, extra_problems: list[str] = (
     return config
 
 
+SAMPLE_COUNTER_MAX = 2**63 - 1
+"""Largest ``train_batch_size``: ``engine.global_samples`` is saved in checkpoints as a signed 64-bit integer."""
+
+
 def resolve_batch_triad(config: Config, dp_world_size: int) -> tuple[int, int, int]:
     """Resolve DeepSpeed's batch triad in place; return ``(train_batch, micro_batch, gas)``.
 
@@ -413,6 +447,12 @@ def resolve_batch_triad(config: Config, dp_world_size: int) -> tuple[int, int, i
             f"batch size mismatch: train_batch_size={tbs} must equal train_micro_batch_size_per_gpu={mbs}"
             f" x gradient_accumulation_steps={gas} x data-parallel world size={ws} (= {mbs * gas * ws}). "
             "Fix one of the three, or give only two and let the third be derived."
+        )
+    if tbs > SAMPLE_COUNTER_MAX:
+        raise ConfigError(
+            f"train_batch_size={tbs} (train_micro_batch_size_per_gpu={mbs} x gradient_accumulation_steps={gas} x "
+            f"data-parallel world size={ws}) does not fit the 64-bit sample counter (at most {SAMPLE_COUNTER_MAX} "
+            "samples per step); give a batch a step can hold."
         )
     config.set("train_batch_size", tbs)
     config.set("train_micro_batch_size_per_gpu", mbs)

@@ -1,8 +1,11 @@
 """Bad numbers never train silently: each test is the bad input it stops (issue 31).
 
+* NaN and infinity in any numeric config key are refused at ``initialize()``, naming the key;
 * a NaN or inf loss (fp32 and bf16, with and without clipping, on one rank or on every ZeRO stage with the
   NaN on one rank only) skips the optimizer step, is counted and logged with the step number, and
-  ``max_consecutive_nonfinite_steps`` such steps in a row end the job naming the step.
+  ``max_consecutive_nonfinite_steps`` such steps in a row end the job naming the step;
+* an empty dataset, a micro-batch larger than a rank's share, an accumulation no epoch reaches, absurd
+  batch sizes and a model with nothing to train are errors at ``initialize()``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import pytest
 import torch
 
 import microspeed
-from microspeed.errors import NonFiniteError
+from microspeed.errors import ConfigError, NonFiniteError
 from microspeed.testing import run_distributed
 
 
@@ -25,6 +28,33 @@ def _model() -> torch.nn.Module:
 def _config(**extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10_000,
             "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, **extra}
+
+
+# ------------------------------------------------------------------------- numbers in the config
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+def test_learning_rate_that_is_not_finite_is_refused_naming_the_key(value):
+    with pytest.raises(ConfigError, match=r"optimizer\.params\.lr: got (-?inf|nan); expected a finite number"):
+        microspeed.initialize(model=_model(), config=_config(optimizer={"type": "Adam", "params": {"lr": value}}))
+
+
+@pytest.mark.parametrize(("extra", "key"), [
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": math.inf}}}, r"scheduler\.params\.warmup_max_lr"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, math.nan]}}},
+     r"optimizer\.params\.betas\[1\]"),
+    ({"gradient_clipping": math.inf}, "gradient_clipping"),
+    ({"gradient_predivide_factor": math.inf}, "gradient_predivide_factor"),
+])
+def test_infinity_in_any_numeric_key_is_refused_naming_it(extra, key):
+    with pytest.raises(ConfigError, match=key + r": got (inf|nan); expected a finite number"):
+        microspeed.initialize(model=_model(), config=_config(**extra))
+
+
+def test_steps_per_print_keeps_accepting_inf():
+    """Accelerate writes ``steps_per_print: inf`` (never log): the one key whose schema accepts it."""
+    engine, *_ = microspeed.initialize(model=_model(), config=_config(steps_per_print=math.inf))
+    assert engine.config["steps_per_print"] == math.inf
 
 
 # ------------------------------------------------------------------------ non-finite losses
@@ -83,6 +113,54 @@ def test_non_finite_steps_in_a_row_end_the_job_naming_the_step():
         _step(engine, math.inf)
     assert engine.skipped_steps == 5
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+
+
+# ------------------------------------------------------------------------ data and batch sizes
+
+
+def _data(n: int) -> list:
+    return [(torch.ones(4), torch.ones(1)) for _ in range(n)]
+
+
+def test_empty_dataset_is_refused():
+    with pytest.raises(ConfigError, match=r"training_data.*dataset is empty"):
+        microspeed.initialize(model=_model(), config=_config(), training_data=[])
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_micro_batch_larger_than_the_dataset_is_refused(drop_last):
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=8 is larger than the dataset.*5 samples"):
+        microspeed.initialize(model=_model(), training_data=_data(5),
+                              config=_config(train_micro_batch_size_per_gpu=8, dataloader_drop_last=drop_last))
+
+
+def test_accumulation_no_epoch_reaches_is_refused():
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=4 is more than the 3 micro-batches"):
+        microspeed.initialize(model=_model(), training_data=_data(6),
+                              config=_config(gradient_accumulation_steps=4))
+
+
+@pytest.mark.parametrize("extra", [{"train_batch_size": 10**12, "train_micro_batch_size_per_gpu": None},
+                                   {"gradient_accumulation_steps": 10**12}], ids=["train_batch", "accumulation"])
+def test_absurd_batch_values_are_refused_with_training_data(extra):
+    config = {k: v for k, v in _config(**extra).items() if v is not None}
+    with pytest.raises(ConfigError, match=r"(train_micro_batch_size_per_gpu|gradient_accumulation_steps)="
+                                          r"1000000000000 is"):
+        microspeed.initialize(model=_model(), training_data=_data(64), config=config)
+
+
+def test_batch_past_the_64_bit_sample_counter_is_refused():
+    with pytest.raises(ConfigError, match=r"train_batch_size=\d+ .*64-bit sample counter"):
+        microspeed.initialize(model=_model(), config=_config(gradient_accumulation_steps=2**62))
+
+
+def test_model_with_nothing_to_train_is_refused_when_an_optimizer_is_asked_for():
+    model = _model().requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"model Sequential has no trainable parameters.*optimizer"):
+        microspeed.initialize(model=model, config=_config())
+    engine, optimizer, *_ = microspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2})
+    assert optimizer is None  # evaluation only (DeepSpeed allows it too): forward works
+    assert engine(torch.ones(2, 4)).shape == (2, 1)
 
 
 # ------------------------------------------------------------------------ ZeRO on two ranks

@@ -36,7 +36,8 @@ class StepLoggingPlugin:
     def microspeed_config_sections(self) -> dict:
         """``steps_per_print`` and ``wall_clock_breakdown``."""
         return {
-            "steps_per_print": Field((int, float), 10, "log every N optimizer steps (inf: never)", _every),
+            "steps_per_print": Field((int, float), 10, "log every N optimizer steps (inf: never)", _every,
+                                     infinite=True),
             "wall_clock_breakdown": Field((bool,), False, "log time spent in forward/backward/step"),
         }
 
