@@ -3,7 +3,8 @@
 Libraries such as Hugging Face transformers/accelerate and Lightning ``import deepspeed`` themselves.
 The stand-in distribution (``compat/deepspeed`` in a microspeed checkout, distribution name
 ``deepspeed``, version ``0.19.8+microspeed``) provides that import name over microspeed. Its source
-folder carries a static ``.dist-info``, so putting the folder first on ``PYTHONPATH`` makes both
+folder carries a static ``.dist-info`` (the ``microspeed`` wheel carries a copy of that folder as
+``microspeed/deepspeed_standin``), so putting the folder first on ``PYTHONPATH`` makes both
 ``import deepspeed`` and ``importlib.metadata.version("deepspeed")`` resolve to it even where real
 DeepSpeed is installed: that is what ``microspeed run --as-deepspeed`` and
 ``PYTHONPATH=$(microspeed deepspeed-path):$PYTHONPATH`` do.
@@ -38,9 +39,10 @@ class StandinConflictError(PluginError, ImportError):
 def source_folder() -> Path:
     """The folder to put first on ``sys.path`` so that ``import deepspeed`` gets the stand-in.
 
-    ``$MICROSPEED_DEEPSPEED_PATH`` when set; else ``compat/deepspeed/src`` of the microspeed checkout this
-    package was installed from (an editable install). Raises :class:`FileNotFoundError` saying how to
-    get it otherwise.
+    ``$MICROSPEED_DEEPSPEED_PATH`` when set; else the copy of the stand-in's folder an installed ``microspeed``
+    wheel carries (``microspeed/deepspeed_standin``: a wheel never looks outside its own package); else
+    ``compat/deepspeed/src`` of the microspeed checkout this package was installed from (an editable install).
+    Raises :class:`FileNotFoundError` saying how to get it otherwise.
     """
     override = os.environ.get(ENV_VAR)
     if override:
@@ -49,14 +51,16 @@ def source_folder() -> Path:
             raise FileNotFoundError(f"{ENV_VAR}={override}: no deepspeed/__init__.py there; point it at the folder "
                                     "that holds the stand-in package (compat/deepspeed/src of a microspeed checkout)")
         return folder
-    checkout = Path(__file__).resolve().parents[2]  # core/compat/standin.py -> the checkout
-    folder = checkout / "compat" / "deepspeed" / "src"
-    if (folder / "deepspeed" / "__init__.py").is_file():
-        return folder
+    package = Path(__file__).resolve().parents[1]  # core/compat/standin.py -> core (the microspeed package)
+    checkout = package.parent / "compat" / "deepspeed" / "src"
+    for folder in (package / "deepspeed_standin", checkout):
+        if (folder / "deepspeed" / "__init__.py").is_file():
+            return folder
     raise FileNotFoundError(
-        f"the deepspeed stand-in was not found beside microspeed ({folder} does not exist: microspeed is not an "
-        f"editable install of a checkout). Either pip install the stand-in (pip install ./compat/deepspeed from a "
-        f"checkout), which replaces real DeepSpeed, or set {ENV_VAR} to its source folder.")
+        f"the deepspeed stand-in was not found beside microspeed (neither {package / 'deepspeed_standin'} nor "
+        f"{checkout} exists: microspeed is neither an installed wheel nor an editable install of a checkout). "
+        f"Either pip install the stand-in (pip install ./compat/deepspeed from a checkout), which replaces real "
+        f"DeepSpeed, or set {ENV_VAR} to its source folder.")
 
 
 def installed_standin() -> bool:

@@ -19,8 +19,10 @@ import microspeed
 from microspeed.demo.data import ByteSequenceDataset, stdlib_corpus, train_val_split
 from microspeed.models import GPT, GPTConfig
 
-DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                              "examples", "ds_config_demo.json")
+_PACKAGED_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_config_demo.json")  # in a wheel
+DEFAULT_CONFIG = _PACKAGED_CONFIG if os.path.isfile(_PACKAGED_CONFIG) else os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "ds_config_demo.json")
+"""``microspeed demo``'s ds_config: the copy an installed wheel carries, else the checkout's ``examples/``."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
