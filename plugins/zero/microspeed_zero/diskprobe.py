@@ -113,7 +113,7 @@ def probe_disk(path: str, size: int = 1 << 30, request: int = 16 << 20) -> DiskB
             write_s = _timed(fd, buf, size, request, write=True)
         finally:
             os.close(fd)
-        fd = os.open(name, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECT if direct else 0))  # never through a link
         try:
             if not direct:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
