@@ -213,3 +213,30 @@ def test_zero_stages_skip_a_nan_on_one_rank_on_every_rank():
     expected = [(stage, precision, (False, 1, True, True), True, "step 5")
                 for stage, precision in [(1, None), (2, "bf16"), (3, None), (3, "bf16"), (0, "1-bit")]]
     assert results == [expected, expected]
+
+
+def _pipeline_nan_in_one_micro_batch() -> tuple:
+    """Two pipeline stages, ``train_batch()``: one micro-batch's NaN target makes the last stage's loss NaN."""
+    from microspeed_pipeline.module import LayerSpec, PipelineModule
+
+    def batches(nan: bool) -> list:
+        data = [(torch.ones(2, 4), torch.ones(2, 1)) for _ in range(2)]
+        return [data[0], (data[1][0], data[1][1] * math.nan)] if nan else data
+
+    torch.manual_seed(0)
+    specs = [LayerSpec(torch.nn.Linear, 4, 8), LayerSpec(torch.nn.Tanh), LayerSpec(torch.nn.Linear, 8, 1)]
+    module = PipelineModule(specs, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    engine, *_ = microspeed.initialize(model=module, config=_config(gradient_accumulation_steps=2))
+    engine.train_batch(iter(batches(False)))
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    engine.train_batch(iter(batches(True)))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters(), strict=True))
+    out = (engine.was_step_applied(), engine.skipped_steps, unchanged)
+    engine.train_batch(iter(batches(False)))
+    return out + (engine.was_step_applied(),)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_pipeline_train_batch_skips_a_nan_loss_on_every_stage():
+    assert run_distributed(_pipeline_nan_in_one_micro_batch, world_size=2, timeout=150) == [(False, 1, True, True)] * 2
