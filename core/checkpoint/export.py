@@ -16,15 +16,18 @@ no DeepSpeed file) and code that reads ``mp_rank_00_model_states.pt`` work on wh
   fp32 buffer; the buffer is padded to a multiple of ``2 * world_size`` as DeepSpeed pads it and the
   padding removed from the slices), ``base_optimizer_state`` (the torch state over the padded slices),
   ``zero_stage``, ``partition_count``, ``group_paddings``, ``param_alignment_paddings`` (zeros),
-  ``loss_scaler`` (a plain namespace: ``cur_scale`` ...), ``dynamic_loss_scale``, ``overflow``,
-  ``clip_grad``, ``ds_version``; plus ``ds_config`` and ``ds_version`` beside it.
+  ``loss_scaler`` (pickled under DeepSpeed's class name ``deepspeed.runtime.fp16.loss_scaler.LossScaler`` or
+  ``DynamicLossScaler``, with ``cur_scale``, ``cur_iter`` ... as its attributes; written without DeepSpeed
+  installed, read by DeepSpeed and by ``import-deepspeed``, which admits only DeepSpeed's classes),
+  ``dynamic_loss_scale``, ``overflow``, ``clip_grad``, ``ds_version``; plus ``ds_config`` and ``ds_version``
+  beside it.
 
 The layout's world size is the checkpoint's unless ``--world-size`` says otherwise. A stage-3 run is
 written in the stage-2 layout (its weights and optimizer state are the same numbers; DeepSpeed's
 stage-3 file format is not written). Differences from a file DeepSpeed wrote: parameters the
 optimizer does not hold (frozen) are listed in ``buffer_names`` (a microspeed checkpoint does not
-tell them from buffers; ``zero_to_fp32`` still returns them, in fp32); DeepSpeed's pickled helper
-objects (``LossScaler``, ``ZeroStageEnum``) are plain values and ``param_slice_mappings`` (fragment
+tell them from buffers; ``zero_to_fp32`` still returns them, in fp32); the loss scaler carries
+only the attributes above, ``ZeroStageEnum`` is a plain int, and ``param_slice_mappings`` (fragment
 addresses for ``ds_to_universal``, DeepSpeed objects) is not written, so DeepSpeed's own
 ``load_checkpoint`` is not a goal — ``zero_to_fp32`` and readers of the module file are. A stage-0
 fp16/bf16 run has fp32 masters that DeepSpeed's stage-0 layout keeps inside its ``FP16_Optimizer`` /
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import types
 from collections import OrderedDict
 from typing import Any
@@ -100,12 +104,49 @@ def _zero_stage(config: dict[str, Any]) -> int:
     return int(zero.get("stage", 0) or 0) if isinstance(zero, dict) else 0
 
 
-def _loss_scaler(manifest: dict[str, Any]) -> types.SimpleNamespace:
+class _DeepSpeedObject:
+    """An object written under the DeepSpeed class name :attr:`deepspeed_global` (as DeepSpeed's own files hold
+    its ``LossScaler``), its attributes as the pickled state: DeepSpeed need not be installed to write it, and
+    readers that admit exactly DeepSpeed's classes (microspeed's ``import-deepspeed``) read it back."""
+
+    deepspeed_global = ""
+
+    def __init__(self, **attrs: Any) -> None:
+        self.__dict__.update(attrs)
+
+
+class _LossScaler(_DeepSpeedObject):
+    deepspeed_global = "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+
+class _DynamicLossScaler(_DeepSpeedObject):
+    deepspeed_global = "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: its save_global can be overridden
+    """``torch.save``'s pickler, writing a :class:`_DeepSpeedObject` class as the DeepSpeed global it stands for."""
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        """DeepSpeed's module and class name for our stand-ins; everything else as pickle does."""
+        if isinstance(obj, type) and issubclass(obj, _DeepSpeedObject):
+            module, _, qualname = obj.deepspeed_global.rpartition(".")
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+_PICKLE_MODULE = types.ModuleType("microspeed_export_pickle", "torch.save's pickle_module, with :class:`_Pickler`.")
+_PICKLE_MODULE.Pickler = _Pickler  # type: ignore[attr-defined]
+
+
+def _loss_scaler(manifest: dict[str, Any]) -> _DeepSpeedObject:
     scaler = ((manifest.get("plugin_states") or {}).get("mixed_precision") or {}).get("scaler") or {}
-    return types.SimpleNamespace(cur_scale=float(scaler.get("cur_scale", 1.0)), cur_iter=int(scaler.get("cur_iter", 0)),
-                                 last_overflow_iter=int(scaler.get("last_overflow_iter", -1)),
-                                 cur_hysteresis=int(scaler.get("cur_hysteresis", 2)),
-                                 dynamic="cur_iter" in scaler)
+    dynamic = "cur_iter" in scaler
+    return (_DynamicLossScaler if dynamic else _LossScaler)(
+        cur_scale=float(scaler.get("cur_scale", 1.0)), cur_iter=int(scaler.get("cur_iter", 0)),
+        last_overflow_iter=int(scaler.get("last_overflow_iter", -1)),
+        cur_hysteresis=int(scaler.get("cur_hysteresis", 2)), dynamic=dynamic)
 
 
 def _groups(ck: dict[str, Any]) -> list[dict[str, Any]]:
@@ -255,7 +296,7 @@ def _save(obj: Any, path: str) -> None:
     """``torch.save`` into a fresh file renamed over ``path`` (a planted symlink at ``path`` is replaced, not
     followed)."""
     tmp = f"{path}{_TMP}{os.urandom(4).hex()}"
-    torch.save(obj, tmp)
+    torch.save(obj, tmp, pickle_module=_PICKLE_MODULE)
     os.replace(tmp, path)
 
 
