@@ -5,8 +5,8 @@ Single process, no launcher needed::
     python benchmarks/bench_nonfinite_guard.py [--steps N --warmup W --model demo|small --clip 0|1.0]
 
 The guard is the kernel's one check of a step's numbers (``engine.grad_norm.finite``: one host sync on the
-norm the step computes anyway) and the ``gradient_clipping`` plugin's loss check (``loss * where(isfinite(loss),
-1, nan)`` before backward). Engine A has both switched off (``finite`` answers ``True``; the ``scale_loss``
+norm the step computes anyway) and the ``gradient_clipping`` plugin's loss check (``loss * (x - x + 1)``, ``x`` the
+loss's value, before backward). Engine A has both switched off (``finite`` answers ``True``; the ``scale_loss``
 implementation is removed from its hook), engine B is the engine as shipped; same weights, same batches, steps
 alternate A, B, B, A, ... and are timed as in ``bench_hook_overhead.py`` (wall clock and this thread's CPU time).
 Prints the medians, the paired overhead, B/A, whether the losses are bit-identical, and one ``BENCH_JSON`` line.

@@ -8,14 +8,13 @@ model-parallel group). Clipping follows DeepSpeed: ``coef = max_norm / (norm + 1
 Bad numbers never train: whoever steps the optimizer asks ``engine.grad_norm.finite(norm)`` and skips a
 step whose norm is NaN or inf (fp32 and bf16 as fp16's overflow skip; the step is counted in
 ``engine.skipped_steps``). A NaN or inf *loss* reaches that check too: this plugin multiplies the loss by
-1 when it is finite and by NaN when it is not (no host sync), so its gradients are NaN on this rank, the
+1 when it is finite and by NaN when it is not (``x - x + 1``, no host sync), so its gradients are NaN on this rank, the
 reduction carries them to every rank and the one check sees them. Each skipped step is logged with its
 number; ``max_consecutive_nonfinite_steps`` skipped in a row end the job with a :class:`NonFiniteError`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -71,11 +70,12 @@ class GradientClippingPlugin:
 
     @hookimpl(tryfirst=True)
     def microspeed_scale_loss(self, loss: torch.Tensor) -> torch.Tensor | None:
-        """Make a NaN or inf loss's gradients NaN (``loss * 1`` when finite: the gradients are unchanged)."""
+        """Make a NaN or inf loss's gradients NaN: ``loss * (x - x + 1)`` with ``x`` the loss's value, exactly 1 when
+        it is finite (the gradients are unchanged, bit for bit) and NaN when not; two scalar ops, no host sync."""
         if not loss.requires_grad:
             return None
-        bad = torch.isfinite(loss.detach()).logical_not()
-        return loss * torch.where(bad, math.nan, 1.0).to(loss.dtype)
+        value = loss.detach()
+        return loss * (value - value + 1)
 
     @hookimpl
     def microspeed_after_step(self, engine, outcome: StepOutcome) -> None:
