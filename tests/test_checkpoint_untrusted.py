@@ -289,7 +289,7 @@ def test_import_deepspeed_and_zero_to_fp32_refuse_a_payload(tmp_path, capsys, wh
 # ------------------------------------------------------------------ fuzz
 
 
-def _variants(original: bytes, rng: random.Random, n: int = 6) -> list[bytes]:
+def _variants(original: bytes, rng: random.Random, n: int = 16) -> list[bytes]:
     """Random bytes (a few lengths, the original's among them) and truncations of ``original`` at random points."""
     out = [rng.randbytes(k) for k in (0, 1, 7, len(original) or 16)]
     return out + [original[:rng.randrange(max(1, len(original)))] for _ in range(n)]
@@ -338,3 +338,63 @@ def test_fuzzed_checkpoint_files_give_a_checkpoint_error(ckpt, tmp_path, capsys)
             _expect_checkpoint_error(lambda: read_deepspeed(str(tmp_path / "ds")), f"{name} variant {i}")
         (ds.parent / name).write_bytes(original)
     assert not marker.exists()
+
+
+# ------------------------------------------------------------------ real DeepSpeed's files pass the allowlist
+
+
+def _deepspeed_saves(root: str) -> dict:
+    """Real DeepSpeed 0.19.8 (1 rank, CPU) saves at ZeRO 0-3 in fp32, bf16 and fp16; returns, per folder, the
+    globals its files name beyond torch's defaults and DeepSpeed's own ``zero_to_fp32`` result."""
+    import deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    out = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        for stage in (0, 1, 2, 3):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+            cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "steps_per_print": 1000,
+                   "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+                   "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+            if precision != "fp32":
+                cfg[precision] = {"enabled": True}
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+            for _ in range(2):
+                engine.backward(engine(torch.randn(2, 7).to(dtype)).float().pow(2).mean())
+                engine.step()
+            folder = os.path.join(root, f"{precision}_{stage}")
+            engine.save_checkpoint(folder, client_state={"epoch": 1})
+            names = set()
+            for dirpath, _dirs, files in os.walk(folder):
+                for name in files:
+                    if name.endswith(".pt"):
+                        names |= set(torch.serialization.get_unsafe_globals_in_checkpoint(os.path.join(dirpath, name)))
+            theirs = get_fp32_state_dict_from_zero_checkpoint(folder) if stage else None  # theirs needs ZeRO
+            out[folder] = {"globals": sorted(names),
+                           "fp32": theirs and {k: v.float().clone() for k, v in theirs.items()}}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed 0.19.8 (the reference)")
+def test_real_deepspeed_checkpoints_read_as_data_at_every_stage_and_precision(tmp_path):
+    """Every global DeepSpeed's files hold is one of DEEPSPEED_GLOBALS; each folder reads with weights_only=True,
+    imports, and gives DeepSpeed's own zero_to_fp32 result (which reads ZeRO stages 1-3 only)."""
+    from microspeed.checkpoint.deepspeed_format import DEEPSPEED_GLOBALS
+    from microspeed.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from microspeed.testing import run_distributed
+
+    saves = run_distributed(_deepspeed_saves, world_size=1, args=(str(tmp_path),), timeout=540,
+                            env={"DS_ACCELERATOR": "cpu"})[0]
+    assert len(saves) == 12
+    for folder, got in saves.items():
+        assert set(got["globals"]) <= set(DEEPSPEED_GLOBALS), (folder, got["globals"])
+        ours = get_fp32_state_dict_from_zero_checkpoint(folder)
+        assert list(ours) == ["0.weight", "0.bias", "2.weight", "2.bias"], folder
+        if got["fp32"] is not None:
+            assert list(ours) == list(got["fp32"]), folder
+            assert all(torch.equal(ours[k], got["fp32"][k]) for k in ours), folder
+        assert checkpoint_cli(["import-deepspeed", folder, str(tmp_path / "imported" / os.path.basename(folder))]) == 0

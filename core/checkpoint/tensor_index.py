@@ -98,6 +98,7 @@ def _check(metadata: Any, path: str) -> Metadata:
     tensors, storage = metadata.state_dict_metadata, metadata.storage_data
     if not isinstance(tensors, dict) or not isinstance(storage, dict):
         raise bad("its state_dict_metadata and storage_data are not dicts")
+    # storage.RAW_FORMAT (not imported: storage imports this module through layout)
     raw = isinstance(metadata.planner_data, dict) and metadata.planner_data.get("format") == "microspeed.raw.1"
     chunks: dict[MetadataIndex, tuple[TensorStorageMetadata, ChunkStorageMetadata]] = {}
     for key, meta in tensors.items():
