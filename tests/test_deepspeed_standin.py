@@ -872,7 +872,8 @@ def test_standin_metadata_matches_its_pyproject():
     requires = [line.split(": ", 1)[1] for line in meta.splitlines() if line.startswith("Requires-Dist: ")]
     assert requires == tomllib.loads(pyproject)["project"]["dependencies"] and "pydantic>=2" in requires
     core = (root.parent.parent / "pyproject.toml").read_text()
-    assert "pydantic" not in core  # only the stand-in's config models use it
+    assert not any("pydantic" in d for d in tomllib.loads(core)["project"]["dependencies"])  # only the stand-in's
+    assert tomllib.loads(core)["project"]["optional-dependencies"]["standin"] == requires[1:]  # models use it
 
 
 ZERO_TO_FP32_ON_DEEPSPEED = """

@@ -71,13 +71,15 @@ AS_DEEPSPEED = """
 import importlib.metadata, json, os
 
 import deepspeed
+from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # a pydantic model, as in DeepSpeed
 
 import microspeed
 from microspeed.compat import standin
 
 print("RESULT", json.dumps({"file": deepspeed.__file__, "standin": standin.is_standin_file(deepspeed.__file__),
                             "version": importlib.metadata.version("deepspeed"), "attr": deepspeed.__version__,
-                            "microspeed": deepspeed.microspeed_version == microspeed.__version__}), flush=True)
+                            "microspeed": deepspeed.microspeed_version == microspeed.__version__,
+                            "zero": DeepSpeedZeroConfig(stage=2).stage}), flush=True)
 """
 
 CHECKS = """
@@ -169,8 +171,9 @@ def test_wheels_install_into_a_fresh_venv_and_train_from_an_empty_folder(tmp_pat
     _run([sys.executable, "-m", "venv", str(venv)], tmp_path, env)
     python, cli = str(venv / "bin" / "python"), str(venv / "bin" / "microspeed")
     standin_wheel = next(wheels.glob("deepspeed-*.whl"))
-    _run([python, "-m", "pip", "install", "-q", "--no-compile", TORCH, *(str(w) for w in sorted(wheels.glob("*.whl"))
-                                                         if w != standin_wheel)], tmp_path, env, timeout=600)
+    others = [str(w) if not w.name.startswith("microspeed-") else f"{w}[standin]"  # what the stand-in imports
+              for w in sorted(wheels.glob("*.whl")) if w != standin_wheel]
+    _run([python, "-m", "pip", "install", "-q", "--no-compile", TORCH, *others], tmp_path, env, timeout=600)
     timings["install"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -194,7 +197,7 @@ def test_wheels_install_into_a_fresh_venv_and_train_from_an_empty_folder(tmp_pat
     (tmp_path / "script.py").write_text(AS_DEEPSPEED)
     proc = _run([cli, "run", "--as-deepspeed", "--nproc-per-node", "1", str(tmp_path / "script.py")], work, env)
     (r,) = _results(proc.stdout)
-    assert r["standin"] and r["file"].startswith(path) and r["microspeed"], r
+    assert r["standin"] and r["file"].startswith(path) and r["microspeed"] and r["zero"] == 2, r
     assert r["version"] == r["attr"] == "0.19.8+microspeed", r
 
     # the stand-in's own wheel: `import deepspeed` is the stand-in everywhere
