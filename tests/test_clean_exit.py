@@ -161,10 +161,11 @@ def test_a_rank_that_returns_with_a_reduction_in_flight_exits_0(tmp_path):
 # ------------------------------------------------------------------------------ the jobs that aborted, many times
 
 CLIENT_RUNS = 2
-"""HelloDeepSpeed client runs (each launches 2 ranks twice: 4 steps saving, then resumed to 6); ~20 s each."""
+"""HelloDeepSpeed client runs (each launches 2 ranks twice: 4 steps saving, then resumed to 6); 28 s each on the
+shared 2 cores (the whole test: 146 s there)."""
 
 REFERENCE_RUNS = 4
-"""Runs of the recovery test's 4-rank reference (2 segments, each a fresh engine loaded from a tag); ~15 s each."""
+"""Runs of the recovery test's 4-rank reference (2 segments, each a fresh engine loaded from a tag); 15-20 s each."""
 
 
 @pytest.mark.slow
