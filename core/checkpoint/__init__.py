@@ -24,6 +24,9 @@ Tensors are keyed by parameter name (FQN), never by rank or integer index:
 The small rest — versions, ds_config, world size, counters, the module's key list, optimizer
 param groups (with FQNs), scheduler state, plugin list and each plugin's small state, client
 state and every rank's RNG states — is the manifest (:mod:`microspeed.checkpoint.manifest`).
+Both halves are read as data, never run: the manifest holds plain values only (a pickle in it is refused,
+and so is a state that is not plain data, at save), and the tensor index is read by an unpickler that
+admits only DCP's metadata classes (:mod:`~microspeed.checkpoint.tensor_index`).
 
 **Who writes what.** Every rank calls :func:`save` with the same state dict of full tensors;
 replicated tensors are written once (:func:`~microspeed.checkpoint.storage.assign`), so in pure data
@@ -77,7 +80,8 @@ streamed into the rank's file through a bounded buffer),
 :mod:`~microspeed.checkpoint.reader` (:class:`Reader`), :mod:`~microspeed.checkpoint.saving` and
 :mod:`~microspeed.checkpoint.loading` (the engine-level entry points and the default optimizer-state
 parts), :mod:`~microspeed.checkpoint.names` (FQNs, tied aliases), :mod:`~microspeed.checkpoint.rng`,
-:mod:`~microspeed.checkpoint.manifest` (the msgpack half), :mod:`~microspeed.checkpoint.errors`,
+:mod:`~microspeed.checkpoint.manifest` (the msgpack half), :mod:`~microspeed.checkpoint.tensor_index` (the
+``.metadata`` half, read as data), :mod:`~microspeed.checkpoint.errors`,
 :mod:`~microspeed.checkpoint.resume` (``checkpoint.auto_resume_dir``: the newest complete save, loaded at the end
 of ``initialize()``);
 converters in :mod:`~microspeed.checkpoint.deepspeed_format`, :mod:`~microspeed.checkpoint.export` and
@@ -86,7 +90,7 @@ converters in :mod:`~microspeed.checkpoint.deepspeed_format`, :mod:`~microspeed.
 
 from __future__ import annotations
 
-from microspeed.checkpoint.errors import CheckpointError, CheckpointWarning
+from microspeed.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
 from microspeed.checkpoint.layout import (
     FORMAT,
     FORMAT_VERSION,
@@ -129,6 +133,7 @@ __all__ = [
     "LATEST",
     "MANIFEST",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "CheckpointWarning",
     "OnDemandPiece",
     "Placement",
