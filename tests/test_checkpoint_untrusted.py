@@ -208,6 +208,19 @@ def test_a_state_that_is_not_plain_data_is_refused_at_save_naming_its_path(tmp_p
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
+@pytest.mark.parametrize("code", [4, 8, 99])
+def test_a_pickle_or_unknown_extension_in_the_manifest_is_not_data(ckpt, code):
+    """Extension 4 (a pickle, here a harmless one) and codes microspeed never writes are refused, not passed on."""
+    path = ckpt / TAGS[1] / "manifest.msgpack"
+    doc = msgpack.unpackb(path.read_bytes(), ext_hook=_raw_ext, raw=False, strict_map_key=False)
+    doc["client_state"]["epoch"] = msgpack.ExtType(code, pickle.dumps({"epoch": 1}) if code == 4 else b"\x00")
+    path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+    with pytest.raises(CheckpointError) as err:
+        _engine().load_checkpoint(str(ckpt))
+    _refused(err.value, path)
+    assert f"extension type {code}" in str(err.value)
+
+
 def test_a_manifest_written_before_keeps_loading(ckpt):
     """Older manifests held ``torch.__version__`` as a pickle (extension 4): recognised by its opcodes, not run."""
     path = ckpt / TAGS[1] / "manifest.msgpack"
