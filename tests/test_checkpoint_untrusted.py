@@ -186,6 +186,34 @@ def test_zero_to_fp32_functions_refuse_a_payload(ckpt, tmp_path, kind):
     assert not marker.exists()
 
 
+def test_an_older_dcp_checkpoint_reaches_dcps_reader_only_through_the_checked_index(ckpt, monkeypatch):
+    """A per-tensor checkpoint (DCP's own writer, before checksums) loads with ``verify=False`` without DCP
+    unpickling ``.metadata`` itself: its reader is handed the index the restricted unpickler read."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    from microspeed import checkpoint
+
+    tag_dir = str(ckpt / TAGS[1])
+    manifest = checkpoint.read_manifest(tag_dir)
+    reader = checkpoint.Reader(tag_dir, checkpoint.read_tensor_index(tag_dir), manifest)
+    tensors = {k: reader.fresh(k) for k in reader.metadata.state_dict_metadata}
+    reader.run(no_dist=True)
+    old = ckpt / "old"
+    old.mkdir()
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(old)), no_dist=True)
+    del manifest["tensor_files"]
+    (old / "manifest.msgpack").write_bytes(pack(manifest))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("DCP unpickled .metadata with pickle.load")
+
+    monkeypatch.setattr(dcp_filesystem.pickle, "load", refuse)
+    engine = _engine()
+    engine.load_checkpoint(str(ckpt), tag="old", verify=False)
+    assert all(torch.equal(engine.module.state_dict()[k], tensors[f"model/{k}"]) for k in engine.module.state_dict())
+
+
 def test_publishing_a_save_refuses_a_payload_in_a_rank_index(tmp_path):
     """Rank 0 merges the ranks' ``__<r>_0.index`` files (msgpack) into the index: read as data too."""
     marker = tmp_path / "MARKER"
