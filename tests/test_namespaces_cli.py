@@ -162,7 +162,8 @@ def test_cli_plugins_lists_builtins_versions_and_call_order(capsys, monkeypatch)
     hooks = {ln.split()[0]: ln.split(None, 1)[1] for ln in lines[lines.index("hooks (implementers in call order):")
                                                                  + 1:] if ln.strip()}
     assert hooks["optimizer_step"] == "mixed_precision -> optimizers"
-    assert hooks["scale_loss"] == "mixed_precision -> gradient_accumulation"
+    # gradient_clipping first: it ties a non-finite loss to the gradients (the step's one non-finite check)
+    assert hooks["scale_loss"] == "gradient_clipping -> mixed_precision -> gradient_accumulation"
     assert hooks["clip_gradients"] == "gradient_clipping"
     assert hooks["conflicts"] == "(none)"
     mp_hooks = lines[lines.index(next(ln for ln in lines if ln.split()[:1] == ["mixed_precision"])) + 1]
