@@ -5,7 +5,9 @@ resolves to this package: :class:`Init`, :func:`GatheredParameters`, the ``safe_
 functions, :func:`estimate_memory`, :func:`predict_peak_rss` / :func:`predict_for_config` (a rank's peak RSS,
 :mod:`microspeed_zero.peak_rss`), DeepSpeed's stage-3 helpers :func:`register_external_parameter`,
 :func:`unregister_external_parameter`, the z3 leaf-module functions (``set_z3_leaf_modules`` & co.)
-and :class:`ZeroParamStatus`. The plugin itself is :class:`microspeed_zero.plugin.ZeroPlugin`,
+:class:`ZeroParamStatus`, :func:`unwrap_model_for_generation` (the whole model gathered once for a
+``generate()`` call) and the optimizer classes :class:`ZeroOptimizer` (stages 1, 2) and
+:class:`ZeroOptimizerStage3`. The plugin itself is :class:`microspeed_zero.plugin.ZeroPlugin`,
 registered through the ``microspeed.plugins`` entry point ``zero``.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from microspeed_zero.api import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from microspeed_zero.estimator import MemoryEstimate, estimate_memory
+from microspeed_zero.generation import unwrap_model_for_generation
 from microspeed_zero.init import GatheredParameters, Init
 from microspeed_zero.leaf import (
     ZeroParamStatus,
@@ -25,6 +28,7 @@ from microspeed_zero.leaf import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
+from microspeed_zero.optimizer import ZeroOptimizer, ZeroOptimizerStage3
 from microspeed_zero.peak_rss import RssPrediction, predict_for_config, predict_peak_rss
 
 __version__ = "0.1.0"
@@ -34,6 +38,8 @@ __all__ = [
     "Init",
     "MemoryEstimate",
     "RssPrediction",
+    "ZeroOptimizer",
+    "ZeroOptimizerStage3",
     "ZeroParamStatus",
     "estimate_memory",
     "get_z3_leaf_modules",
@@ -48,6 +54,7 @@ __all__ = [
     "set_z3_leaf_modules",
     "unregister_external_parameter",
     "unset_z3_leaf_modules",
+    "unwrap_model_for_generation",
     "z3_leaf_module",
     "z3_leaf_parameter",
 ]

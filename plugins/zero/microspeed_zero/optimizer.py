@@ -198,3 +198,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.runtime.cfg.stage}, {self.base_class.__name__}, runs={len(self.runs)})"
+
+
+class ZeroOptimizerStage3(ZeroOptimizer):
+    """:class:`ZeroOptimizer` at stage 3 (``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3``), so
+    ``isinstance`` tells stage 3 from stages 1 and 2 as DeepSpeed's classes do."""
+
+    @property
+    def forward_hooks(self) -> list[Any]:
+        """The handles of the module hooks stage 3 installed to gather parameters (DeepSpeed's attribute of that
+        name; empty inside :func:`~microspeed_zero.generation.unwrap_model_for_generation`)."""
+        return list(self.runtime.stage3.handles)

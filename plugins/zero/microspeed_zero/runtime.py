@@ -44,7 +44,7 @@ from microspeed_zero.access import unwatch, watch
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.config import ZeroConfig
 from microspeed_zero.host_memory import keep_freed_memory, return_freed_memory
-from microspeed_zero.optimizer import ZeroOptimizer
+from microspeed_zero.optimizer import ZeroOptimizer, ZeroOptimizerStage3
 from microspeed_zero.partition import Segment, cut_segments
 from microspeed_zero.reduce import GradientReducer, Scaling
 
@@ -163,7 +163,7 @@ class ZeroRuntime:
             raise ConfigError(f"zero_optimization: the optimizer holds {len(foreign)} tensor(s) that are not "
                               f"parameters of the model; ZeRO partitions the model's parameters — build the "
                               f"optimizer over model.parameters() (or subsets of them).")
-        self.optimizer = ZeroOptimizer(optimizer, self)
+        self.optimizer = (ZeroOptimizer if self.stage < 3 else ZeroOptimizerStage3)(optimizer, self)
         chunks = self.engine.hook.microspeed_pass_parameters(engine=self.engine) or []
         for c, params in enumerate(chunks):  # an interleaved pipeline: buckets stay within one chunk
             for p in params:

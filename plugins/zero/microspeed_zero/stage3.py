@@ -66,6 +66,7 @@ Each parameter carries DeepSpeed's ``ds_id``, ``ds_shape``, ``ds_numel`` and ``d
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import chain
@@ -120,6 +121,7 @@ class ParameterPartitioner:
 
     def __init__(self, runtime: Any, model: torch.nn.Module) -> None:
         self.rt, self.cfg = runtime, runtime.cfg
+        self.model = model
         self.group, self.world, self.rank = runtime.group, runtime.world, runtime.rank
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
@@ -758,6 +760,23 @@ class ParameterPartitioner:
             self._set_status(seg, INFLIGHT)  # its next use waits (fetch), and so does a use on access
             for p in seg.params:
                 watch(p)
+
+    @contextlib.contextmanager
+    def without_hooks(self) -> Iterator[None]:
+        """The block runs without the module hooks (installed again after it), every segment gathered now kept
+        gathered (an engine pass ending inside it releases none): for a caller that made every segment whole
+        (:func:`microspeed_zero.generation.unwrap_model_for_generation`), so its forwards neither gather nor
+        release per module, nor change the recorded order."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        held = {s.index for s in self.segments if self.status[s.index] == AVAILABLE and not s.persistent}
+        self.held.update(held)
+        try:
+            yield
+        finally:
+            self.held.difference_update(held)
+            self._install_hooks(self.model)
 
     def destroy(self) -> None:
         """The engine's ``destroy()``: finish the gathers and shard writes in flight, remove the module hooks and

@@ -22,6 +22,19 @@ def zero_name(module: str, name: str) -> Any:
                              f"{name}") from None
 
 
+def absent_name(module: str, name: str, reasons: dict[str, str]) -> Any:
+    """The error for ``module.name`` when microspeed does not provide it.
+
+    A name listed in ``reasons`` (DeepSpeed internals tests and libraries import) raises an ``ImportError`` giving
+    the reason, so ``from module import name`` says why; any other name is looked up in :mod:`microspeed.zero`
+    (:func:`zero_name`), whose ``AttributeError`` Python turns into a plain ``ImportError`` naming the name.
+    """
+    if name in reasons:
+        raise ImportError(f"{module}.{name} is not provided by microspeed's DeepSpeed stand-in: {reasons[name]}",
+                          name=module)
+    return zero_name(module, name)
+
+
 def __getattr__(name: str) -> Any:
     from deepspeed import _aliases
 

@@ -50,7 +50,24 @@ class MultipleAllGatherHandles:
             handle.wait(handle_dependency=handle_dependency)
 
 
-def __getattr__(name: str) -> Any:
-    from deepspeed.runtime.zero import zero_name
+_INTERNAL = "DeepSpeed's internal; microspeed's zero.Init partitions parameters its own way"
 
-    return zero_name(__name__, name)
+ABSENT: dict[str, str] = {
+    "InsertPostInitMethodToModuleSubClasses": "the base class of DeepSpeed's zero.Init; use deepspeed.zero.Init "
+                                              "(microspeed.zero.Init)",
+    "zero3_linear_wrap": "DeepSpeed's memory-efficient linear for zero.Init(mem_efficient_linear=True); microspeed "
+                         "runs torch's own linear",
+    "CUDAQuantizer": "ZeRO++ quantized weights (zero_quantized_weights) are not offered",
+    "get_allgather_dtype": _INTERNAL,
+    "print_rank_0": "DeepSpeed's internal logging helper",
+    "_orig_torch_empty": "microspeed's zero.Init does not wrap torch.empty",
+    "_contradicting_single_rank_pg_error": _INTERNAL,
+}
+"""DeepSpeed names of this module microspeed does not provide, with the reason (others: ``Init``,
+``GatheredParameters``, ``ZeroParamStatus``, ``register_external_parameter`` ... come from :mod:`microspeed.zero`)."""
+
+
+def __getattr__(name: str) -> Any:
+    from deepspeed.runtime.zero import absent_name
+
+    return absent_name(__name__, name, ABSENT)
