@@ -136,6 +136,61 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any],
     return _set_flags(model, leaf_module_classes, True, raise_if_not_found)
 
 
+def _set_by(model: torch.nn.Module, keys: list[str], flag: bool, raise_if_not_found: bool, what: str,
+            match: Any) -> tuple[list[torch.nn.Module], list[str]]:
+    if isinstance(keys, str) or not all(isinstance(k, str) for k in keys):
+        raise TypeError(f"{what} must be a list of strings, got {keys!r}")
+    found: list[torch.nn.Module] = []
+    missing: list[str] = []
+    named = list(model.named_modules())
+    for key in keys:
+        hits = [m for name, m in named if match(name, key)]
+        if not hits:
+            missing.append(key)
+        for m in hits:
+            m._z3_leaf = flag
+            if not any(m is f for f in found):
+                found.append(m)
+    if missing and raise_if_not_found:
+        raise ValueError(f"No modules matching {what} {missing} found in model {type(model).__name__} "
+                         f"(names as model.named_modules() gives them)")
+    return found, missing
+
+
+def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names: list[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+    """Flag (``flag``) the modules named exactly ``module_names`` in ``model.named_modules()``.
+
+    Returns ``(matched modules, names that matched none)``; ``ValueError`` when some matched none and
+    ``raise_if_not_found``.
+    """
+    return _set_by(model, module_names, flag, raise_if_not_found, "module_names", lambda name, key: name == key)
+
+
+def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: list[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> tuple[list[torch.nn.Module], list[str]]:
+    """Flag (``flag``) the modules whose ``named_modules()`` name ends with one of ``module_name_suffixes``.
+
+    Returns ``(matched modules, suffixes that matched none)``; ``ValueError`` when some matched none and
+    ``raise_if_not_found``.
+    """
+    return _set_by(model, module_name_suffixes, flag, raise_if_not_found, "module_name_suffixes",
+                   lambda name, key: name.endswith(key))
+
+
+def mark_leaf_parameters(model: torch.nn.Module) -> None:
+    """Give every parameter of a flagged leaf module ``ds_z3_leaf_module`` (the outermost leaf holding it), as
+    DeepSpeed does when stage 3 registers the model (read by :func:`z3_leaf_parameter`)."""
+    def visit(module: torch.nn.Module) -> None:
+        if z3_leaf_module(module):
+            for p in module.parameters():
+                p.ds_z3_leaf_module = module
+            return
+        for child in module.children():
+            visit(child)
+    visit(model)
+
+
 def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[Any],
                           raise_if_not_found: bool = True) -> list[torch.nn.Module]:
     """Un-flag the modules :func:`set_z3_leaf_modules` flagged (also the default leaves named here)."""

@@ -109,6 +109,9 @@ class GradientReducer:
         self.pool = BufferPool()
         self.ready: dict[int, int] = {}
         self.launched: set[int] = set()
+        self.deferred: set[int] = set()
+        """Segments launched only by :meth:`flush`, in index order: those of ZeRO-3 leaf modules, whose parameters
+        get gradients in a data-dependent order (experts some ranks did not run), so the ranks agree on the order."""
         self.pending: deque[tuple[Segment, tuple, Any]] = deque()
         self.on_reduced: Any = None  # stage 3: release a segment's parameters once its gradients are staged
         self.gradients: Any = None  # optimizer on NVMe: the GradientSwapper holding the partitions in files
@@ -123,7 +126,7 @@ class GradientReducer:
         if self.queued:
             self._pump()
         seg = self.by_param.get(id(param))
-        if seg is None or seg.index in self.launched:
+        if seg is None or seg.index in self.launched or seg.index in self.deferred:
             return
         n = self.ready.get(seg.index, 0) + 1
         self.ready[seg.index] = n

@@ -197,6 +197,8 @@ class ZeroRuntime:
                                        bucket_numel=int(self.cfg.reduce_bucket_size))
         if self.stage3 is not None:
             self.reducer.on_reduced = self.stage3.after_reduced
+            self.reducer.deferred = {seg.index for seg in self.segments  # leaf modules (microspeed_zero.leaf)
+                                     if any(hasattr(p, "ds_z3_leaf_module") for p in seg.params)}
         self._install_grad_hooks()
         optimizer.state.clear()
         return self.optimizer

@@ -80,7 +80,7 @@ from microspeed_zero.access import unwatch, watch
 from microspeed_zero.aio import ALIGN, AlignedPool, aligned_empty
 from microspeed_zero.collectives import gather_slices
 from microspeed_zero.host_memory import ReleasablePages
-from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf
+from microspeed_zero.leaf import ZeroParamStatus, assign_ds_id, external_parameters, is_leaf, mark_leaf_parameters
 from microspeed_zero.partition import Segment
 
 RELEASED, INFLIGHT, AVAILABLE = 0, 1, 2
@@ -189,6 +189,7 @@ class ParameterPartitioner:
             item = max(s.dtype.itemsize for s in self.segments)
             largest = max(self.segments[i].shard_size for i in self.in_files)
             self.shard_pool = AlignedPool((-(-self.cfg.prefetch_bucket_size // self.world) + largest) * item)
+        mark_leaf_parameters(model)
         self._install_hooks(model)
 
     # -- partitioning ----------------------------------------------------------------------------

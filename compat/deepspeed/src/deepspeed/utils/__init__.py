@@ -1,6 +1,6 @@
 """``deepspeed.utils``: the ``"DeepSpeed"`` logger, process groups, ZeRO helpers and ``zero_to_fp32``.
 
-ZeRO-3 leaf modules and the ``safe_get_full_*`` functions are :mod:`microspeed.zero`'s, looked up
+ZeRO-3 leaf modules and the ``safe_get_*`` / ``safe_set_*`` functions are :mod:`microspeed.zero`'s, looked up
 when first used (the ZeRO plugin is imported only then).
 """
 
@@ -14,9 +14,13 @@ from microspeed import comm as _comm
 from microspeed.data import RepeatingLoader
 
 #: Names served by the ZeRO plugin (``microspeed.zero``).
-ZERO_NAMES = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "register_external_parameter",
-              "unregister_external_parameter", "safe_get_full_fp32_param", "safe_get_full_grad",
-              "safe_get_full_optimizer_state", "ZeroParamStatus")
+ZERO_NAMES = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
+              "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix",
+              "register_external_parameter", "unregister_external_parameter", "safe_get_full_fp32_param",
+              "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_grad",
+              "safe_set_full_optimizer_state", "safe_get_local_fp32_param", "safe_get_local_grad",
+              "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
+              "safe_set_local_optimizer_state", "safe_update_full_grad_vectorized", "ZeroParamStatus")
 
 __all__ = ["RepeatingLoader", "groups", "is_initialized", "log_dist", "log_dist_once", "logger",
            "set_log_level_from_string", "zero_to_fp32", *ZERO_NAMES]
