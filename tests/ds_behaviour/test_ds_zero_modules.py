@@ -34,7 +34,8 @@ out = {"same": [DeepSpeedZeroOptimizer_Stage3 is mz.ZeroOptimizerStage3, DeepSpe
                 u3 is mz.unwrap_model_for_generation, unwrap_model_for_generation is mz.unwrap_model_for_generation,
                 GatheredParameters is mz.GatheredParameters, G2 is mz.GatheredParameters, Init is mz.Init,
                 ZeroParamStatus is mz.ZeroParamStatus]}
-errors = {}
+import importlib
+errors, reasons, probes = {}, {}, {}
 for module, name in [("stage3", "estimate_zero3_model_states_mem_needs_all_live"), ("stage_1_and_2", "IPGBucket"),
                      ("parameter_offload", "ZeROOrderedDict"), ("partition_parameters", "zero3_linear_wrap"),
                      ("stage3", "NoSuchName")]:
@@ -43,24 +44,31 @@ for module, name in [("stage3", "estimate_zero3_model_states_mem_needs_all_live"
         errors[name] = None
     except ImportError as e:
         errors[name] = str(e)
-out["errors"] = errors
+    mod = importlib.import_module(f"deepspeed.runtime.zero.{module}")
+    probes[name] = hasattr(mod, name)
+    try:
+        getattr(mod, name)
+    except AttributeError as e:
+        reasons[name] = str(e)
+out.update(errors=errors, reasons=reasons, probes=probes)
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_zero_module_paths_give_microspeeds_objects_and_absent_names_fail_plainly():
-    """Each provided name is microspeed's object (no stub); an absent one is an ImportError naming it (and why)."""
+    """Each provided name is microspeed's object (no stub); an absent one is an ImportError naming it, ``hasattr``
+    is ``False`` and the attribute's error says why."""
     env = dict(os.environ, PYTHONPATH=str(standin.source_folder()) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                DS_ACCELERATOR="cpu")
     proc = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert out["same"] == [True] * 8
-    errors = out["errors"]
-    assert "estimate_zero3_model_states_mem_needs_all_live" in errors["estimate_zero3_model_states_mem_needs_all_live"]
-    assert "estimate_memory" in errors["estimate_zero3_model_states_mem_needs_all_live"]  # the reason: what to use
-    assert "IPGBucket" in errors["IPGBucket"] and "ZeROOrderedDict" in errors["ZeROOrderedDict"]
-    assert "zero3_linear_wrap" in errors["zero3_linear_wrap"] and "NoSuchName" in errors["NoSuchName"]
+    for name, error in out["errors"].items():  # Python's ImportError, naming the name
+        assert error is not None and name in error, (name, error)
+        assert out["probes"][name] is False  # hasattr answers (libraries probe versions with it)
+    assert "estimate_memory" in out["reasons"]["estimate_zero3_model_states_mem_needs_all_live"]  # what to use
+    assert "ZeROOrderedDict" in out["reasons"]["ZeROOrderedDict"] and "NoSuchName" in out["reasons"]["NoSuchName"]
 
 
 class _TinyLM(torch.nn.Module):

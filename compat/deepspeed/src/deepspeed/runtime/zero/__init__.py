@@ -23,15 +23,15 @@ def zero_name(module: str, name: str) -> Any:
 
 
 def absent_name(module: str, name: str, reasons: dict[str, str]) -> Any:
-    """The error for ``module.name`` when microspeed does not provide it.
+    """The ``AttributeError`` for ``module.name`` when microspeed does not provide it.
 
-    A name listed in ``reasons`` (DeepSpeed internals tests and libraries import) raises an ``ImportError`` giving
-    the reason, so ``from module import name`` says why; any other name is looked up in :mod:`microspeed.zero`
-    (:func:`zero_name`), whose ``AttributeError`` Python turns into a plain ``ImportError`` naming the name.
+    A name listed in ``reasons`` (a DeepSpeed internal that tests and libraries import) gets the reason in the
+    message; any other name is looked up in :mod:`microspeed.zero` (:func:`zero_name`). Either way
+    ``from module import name`` is Python's plain ``ImportError`` naming the name and the module, and
+    ``hasattr`` answers ``False`` (libraries probe DeepSpeed's versions with it).
     """
     if name in reasons:
-        raise ImportError(f"{module}.{name} is not provided by microspeed's DeepSpeed stand-in: {reasons[name]}",
-                          name=module)
+        raise AttributeError(f"{module}.{name} is not provided by microspeed's DeepSpeed stand-in: {reasons[name]}")
     return zero_name(module, name)
 
 
