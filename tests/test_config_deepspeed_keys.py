@@ -51,13 +51,13 @@ def test_keys_clients_write_are_accepted_with_one_notice_each(capsys):
     comet, checkpoint, memory_breakdown."""
     cfg = _base(aio={"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True,
                      "thread_count": 1}, wandb={"enabled": False, "project": "p"}, comet={"enabled": False},
-                memory_breakdown=False, checkpoint={"tag_validation": "Warn"},
+                memory_breakdown=False, checkpoint={"tag_validation": "Warn", "load_universal": False},
                 fp16={"enabled": False, "fp16_master_weights_and_grads": False})
     _NOTICES_LOGGED.clear()
     engine = _init(cfg)
     notices = engine.config.notices
     assert [n.split(":")[0] for n in notices] == ["wandb", "comet", "memory_breakdown",
-                                                  "checkpoint.tag_validation", "fp16.fp16_master_weights_and_grads"]
+                                                  "checkpoint.load_universal", "fp16.fp16_master_weights_and_grads"]
     assert all("accepted, no effect here: " in n and "did you mean" not in n.lower() for n in notices)
     assert engine.config.get("aio.block_size") == 1048576  # kept, for a plugin that may read it
     err = capsys.readouterr().err

@@ -12,6 +12,11 @@
   newest complete checkpoint of that folder, if there is one (:mod:`microspeed.checkpoint.resume`); with
   ``save_interval_steps`` and the ``elasticity`` section, a job torchrun restarts at another world size continues
   with the same global batch. ``engine.resumed_from`` / ``engine.resumed_client_state`` say what was loaded.
+- ``tag_validation`` (DeepSpeed's ``Ignore`` / ``Warn`` / ``Fail``, any case; default ``Warn`` as DeepSpeed's):
+  what ``save_checkpoint`` does when the ranks pass different tags -- nothing, a warning naming them, or an
+  error naming them (an ``AssertionError`` too, as DeepSpeed asserts). Under ``Ignore`` and ``Warn`` the
+  checkpoint is saved whole under rank 0's tag (DeepSpeed writes each rank's files under its own tag, a checkpoint
+  split across folders; its ``latest`` names rank 0's tag, as ours does).
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ from microspeed.hookspecs import hookimpl
 
 _WRITER_NOTICE = ("microspeed writes one contiguous file per rank with its own writer (DeepSpeed's fast-writer "
                   "tuning does not apply); 'decoupled' is honoured")
+TAG_VALIDATION_MODES = ("IGNORE", "WARN", "FAIL")
+"""``checkpoint.tag_validation``'s values (DeepSpeed's, read case-insensitively as DeepSpeed does)."""
+
+
+def _tag_validation_mode(value: str) -> str | None:
+    """Check: one of DeepSpeed's three ``tag_validation`` modes, in any case (as DeepSpeed reads them)."""
+    if value.upper() in TAG_VALIDATION_MODES:
+        return None
+    return "one of 'Ignore', 'Warn' or 'Fail' (case-insensitive, as in DeepSpeed; the default is 'Warn')"
+
+
 _SECTION = Section({
     "async_save": Field((bool,), False, "save in a background thread: save_checkpoint() blocks only while the "
                         "tensors are copied to CPU memory; latest is published once every rank finished"),
@@ -33,13 +49,15 @@ _SECTION = Section({
     "auto_resume_dir": Field((str, type(None)), None, "microspeed's own: initialize() ends by loading the newest "
                              "complete checkpoint of this folder, if any (engine.resumed_from, "
                              "engine.resumed_client_state); restarted elastic jobs continue"),
+    "tag_validation": Field((str,), "Warn", "DeepSpeed's check that save_checkpoint got the same tag on every rank: "
+                            "'Ignore', 'Warn' (default) or 'Fail' (any case); on a mismatch under Ignore/Warn "
+                            "the checkpoint is saved under rank 0's tag", _tag_validation_mode),
     "writer": Section({
         "decoupled": Field((bool,), False, "DeepSpeed's name for an asynchronous save (the same as async_save)"),
     }, doc="DeepSpeed's checkpoint writer settings", notices={
         k: _WRITER_NOTICE for k in ("type", "io_buffer_size", "io_buffer_double", "show_statistics",
                                     "data_parallel", "io_multiplier")}),
 }, doc="checkpoints: asynchronous and periodic saves", notices={
-    "tag_validation": "tags are always checked across ranks: different tags on different ranks are refused",
     "load_universal": "every microspeed checkpoint loads at any world size, ZeRO stage and topology as it is",
     "parallel_write": "every rank always writes its own share of the tensors",
     "use_node_local_storage": "checkpoints go to the save folder you pass, which every rank must see",
@@ -51,7 +69,8 @@ class CheckpointingPlugin:
 
     @hookimpl
     def microspeed_config_sections(self) -> dict[str, Section]:
-        """``checkpoint``: ``async_save``, ``save_dir``, ``save_interval_steps``, ``writer.decoupled``."""
+        """``checkpoint``: ``async_save``, ``save_dir``, ``save_interval_steps``, ``auto_resume_dir``,
+        ``tag_validation``, ``writer.decoupled``."""
         return {"checkpoint": _SECTION}
 
     @hookimpl
@@ -82,10 +101,14 @@ class CheckpointingPlugin:
     @hookimpl(trylast=True)
     def microspeed_engine_api(self, engine: Any) -> dict[str, Any]:
         """``engine.wait_for_checkpoint()``: finish this rank's asynchronous save in flight, raising its error;
-        ``engine.resumed_from`` / ``engine.resumed_client_state``: ``None`` until ``auto_resume_dir`` loads one."""
+        ``engine.resumed_from`` / ``engine.resumed_client_state``: ``None`` until ``auto_resume_dir`` loads one;
+        DeepSpeed's ``engine.checkpoint_tag_validation_enabled()`` / ``checkpoint_tag_validation_fail()``."""
         from microspeed.checkpoint.saving import wait
 
-        return {"wait_for_checkpoint": lambda: wait(engine), "resumed_from": None, "resumed_client_state": None}
+        mode = engine.config["checkpoint"]["tag_validation"].upper()
+        return {"wait_for_checkpoint": lambda: wait(engine), "resumed_from": None, "resumed_client_state": None,
+                "checkpoint_tag_validation_enabled": lambda: mode != "IGNORE",
+                "checkpoint_tag_validation_fail": lambda: mode == "FAIL"}
 
     @hookimpl(trylast=True)
     def microspeed_save_checkpoint(self, engine: Any, save_dir: str, tag: str | None, client_state: dict | None,

@@ -90,7 +90,12 @@ converters in :mod:`~microspeed.checkpoint.deepspeed_format`, :mod:`~microspeed.
 
 from __future__ import annotations
 
-from microspeed.checkpoint.errors import CheckpointError, CheckpointNotFoundError, CheckpointWarning
+from microspeed.checkpoint.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointTagMismatchError,
+    CheckpointWarning,
+)
 from microspeed.checkpoint.layout import (
     FORMAT,
     FORMAT_VERSION,
@@ -134,6 +139,7 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointTagMismatchError",
     "CheckpointWarning",
     "OnDemandPiece",
     "Placement",

@@ -1,4 +1,4 @@
-"""The checkpoint error and warning: what :mod:`microspeed.checkpoint` raises and warns."""
+"""The checkpoint errors and warning: what :mod:`microspeed.checkpoint` raises and warns."""
 
 from __future__ import annotations
 
@@ -13,6 +13,13 @@ class CheckpointError(ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A checkpoint file or folder asked for does not exist: a :class:`CheckpointError` and a ``FileNotFoundError``."""
+
+
+class CheckpointTagMismatchError(CheckpointError, AssertionError):
+    """The ranks passed different tags to ``save_checkpoint`` under ``checkpoint.tag_validation: Fail``.
+
+    Also an :class:`AssertionError`, because DeepSpeed asserts this rule and its users catch that.
+    """
 
 
 class CheckpointWarning(UserWarning):

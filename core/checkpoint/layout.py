@@ -24,7 +24,8 @@ the next publish of that tag and never counts as a tag otherwise.
 tensor index are names inside their checkpoint folder: :func:`resolve_inside` refuses an absolute path, a
 ``..``, and anything whose real path (symlinks followed) leaves the folder, with a :class:`CheckpointError`
 naming the file that holds the path and the path. :func:`_check_tag` refuses, at save, tags that would not
-load back (surrounding whitespace, control characters, separators, over :data:`TAG_MAX_BYTES` bytes).
+load back (surrounding whitespace, control characters, separators, over :data:`TAG_MAX_BYTES` bytes), and
+:func:`check_folder` a save or load folder that is ``None`` or empty (never the current directory).
 """
 
 from __future__ import annotations
@@ -93,6 +94,19 @@ def _check_tag(tag: str) -> str:
         return tag
     raise CheckpointError(f"checkpoint tag {tag!r} is not a plain folder name that loads back: it {why}. Use "
                           f"something like 'global_step100'.")
+
+
+def check_folder(folder: Any, argument: str, call: str) -> None:
+    """Refuse a checkpoint folder argument that names no folder: ``None``, ``''``, or not a path at all.
+
+    Each rank checks its own argument before any collective, so a rank never waits for one that
+    refused it. DeepSpeed raises ``ValueError`` for an empty ``save_dir``; :class:`CheckpointError` is one.
+    An empty path would otherwise write into (or read from) the current directory.
+    """
+    if isinstance(folder, (str, os.PathLike)) and not isinstance(os.fspath(folder), bytes) and os.fspath(folder):
+        return
+    raise CheckpointError(f"{call}: {argument} must name a folder (a non-empty str or path), got {folder!r}; "
+                          f"pass the checkpoint folder, e.g. engine.{call}('checkpoints').")
 
 
 def resolve_inside(folder: str, rel: str, holder: str) -> str:

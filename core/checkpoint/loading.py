@@ -16,6 +16,7 @@ from microspeed.checkpoint.layout import (
     _COUNTERS,
     LATEST,
     _no_dist,
+    check_folder,
     latest_tag_dir,
     read_latest,
     read_manifest,
@@ -52,6 +53,7 @@ def load(engine: Any, load_dir: str, tag: str | None = None, load_module_strict:
     (:func:`~microspeed.checkpoint.reader.check_verifiable`). When ``latest`` names a folder a
     publish left missing, the newest complete leftover of that tag is loaded, with a warning.
     """
+    check_folder(load_dir, "load_dir", "load_checkpoint")
     _wait_for_saves(engine)
     if tag is None:
         tag = read_latest(load_dir)

@@ -14,13 +14,14 @@ import torch
 
 from microspeed import comm
 from microspeed.checkpoint.background import pending, saver_for
-from microspeed.checkpoint.errors import CheckpointError, CheckpointWarning
+from microspeed.checkpoint.errors import CheckpointError, CheckpointTagMismatchError, CheckpointWarning
 from microspeed.checkpoint.layout import (
     _COUNTERS,
     _TMP,
     _check_tag,
     _publish,
     _short,
+    check_folder,
     new_manifest,
     read_latest,
 )
@@ -65,12 +66,13 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     about that buffer to memory, not the rank's state. Such pieces must be read before training changes them,
     so when any rank holds one the save is synchronous on every rank, ``async_save`` notwithstanding.
     """
+    check_folder(save_dir, "save_dir", "save_checkpoint")
     saver = saver_for(engine)
     previous = saver.wait_quietly()
     rank, world = comm.get_rank(), comm.get_world_size()
     if async_save is None:
         async_save = async_enabled(engine.config)
-    tag = _check_tag(f"global_step{engine.global_steps}" if tag is None else str(tag))
+    tag = _check_tag(agree_tag(engine, f"global_step{engine.global_steps}" if tag is None else str(tag)))
     engine.hook.microspeed_before_checkpoint_save(engine=engine, save_dir=save_dir, tag=tag)
     tensors: dict[str, torch.Tensor] = {}
 
@@ -113,32 +115,28 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
     if world > 1:  # one small all-gather; objects are exchanged only where fingerprints differ
         digest = pack(plugins_part)
         spread = pack([model_part, optimizer_part])  # do the ranks hold different parameters (pipeline stages)?
-        mine = torch.tensor([_fingerprint(tag.encode()), _fingerprint(repr(described).encode()),
-                             _fingerprint(digest), _fingerprint(spread), int(previous is not None),
-                             int(nonce, 16) & (2**47 - 1), int(on_demand)], dtype=torch.int64)
+        mine = torch.tensor([_fingerprint(repr(described).encode()), _fingerprint(digest), _fingerprint(spread),
+                             int(previous is not None), int(nonce, 16) & (2**47 - 1), int(on_demand)],
+                            dtype=torch.int64)
         everyone = torch.empty(world * mine.numel(), dtype=torch.int64)
         comm.all_gather_into_tensor(everyone, mine)
         column = everyone.view(world, -1).t().tolist()
-        if any(column[4]):
+        if any(column[3]):
             errors = comm.all_gather_object(previous)
             raise CheckpointError("save_checkpoint: the previous asynchronous save failed and was not published "
                                   "(latest still names the save before it): "
                                   + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e))
-        if len(set(column[0])) > 1:
-            tags = sorted(set(comm.all_gather_object(tag)))
-            raise CheckpointError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag "
-                                  f"on every rank.")
-        if len(set(column[2])) > 1:
+        if len(set(column[1])) > 1:
             by_rank = comm.all_gather_object(plugins_part)
-        if len(set(column[3])) > 1:
+        if len(set(column[2])) > 1:
             parts = comm.all_gather_object([model_part, optimizer_part])
             model_part = merge_model_parts([p[0] for p in parts])
             optimizer_part = merge_optimizer_parts([p[1] for p in parts])
-        nonce = f"{column[5][0]:012x}"
-        if any(column[6]):  # on-demand pieces are read before returning: synchronous everywhere
+        nonce = f"{column[4][0]:012x}"
+        if any(column[5]):  # on-demand pieces are read before returning: synchronous everywhere
             async_save = False
-        if saver.plan is None or saver.plan[0] != column[1]:  # the items changed: agree on who writes what
-            saver.plan = (column[1], assign(comm.all_gather_object(described), rank))
+        if saver.plan is None or saver.plan[0] != column[0]:  # the items changed: agree on who writes what
+            saver.plan = (column[0], assign(comm.all_gather_object(described), rank))
         mine_idents = saver.plan[1]
     else:
         if previous is not None:
@@ -211,6 +209,38 @@ def save(engine: Any, save_dir: str, tag: str | None = None, client_state: dict 
         _publish(save_dir, tag, tmp, save_latest)
     comm.barrier()
     return True
+
+
+def agree_tag(engine: Any, tag: str) -> str:
+    """The tag every rank saves under: ``tag`` when the ranks passed the same one, else rank 0's.
+
+    One all-gather of a 47-bit digest per rank; the tags themselves are exchanged only when they differ. Then
+    ``checkpoint.tag_validation`` (DeepSpeed's key and modes) decides: ``Fail`` raises
+    :class:`CheckpointTagMismatchError` (an ``AssertionError``, as DeepSpeed asserts) naming every rank's tag, on
+    every rank; ``Warn`` (the default, as DeepSpeed's) warns naming them; ``Ignore`` says nothing. Where DeepSpeed
+    would then write each rank's files under that rank's own tag (a checkpoint split across folders that loads
+    under none), microspeed writes one checkpoint under rank 0's tag -- the tag ``latest`` names in both.
+    """
+    world = comm.get_world_size()
+    if world == 1:
+        return tag
+    everyone = torch.empty(world, dtype=torch.int64)
+    comm.all_gather_into_tensor(everyone, torch.tensor([_fingerprint(tag.encode())], dtype=torch.int64))
+    if len(set(everyone.tolist())) == 1:
+        return tag
+    tags = comm.all_gather_object(tag)
+    mode = str(engine.config.get("checkpoint.tag_validation", "Warn")).upper()
+    named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if mode == "FAIL":
+        raise CheckpointTagMismatchError(
+            f"save_checkpoint: the ranks passed different tags ({named}) and checkpoint.tag_validation is "
+            f"'Fail'; pass the same tag on every rank (a tag holding the rank would not load at another world "
+            f"size), or set checkpoint.tag_validation to 'Warn' or 'Ignore' to save under rank 0's tag.")
+    if mode == "WARN":
+        warnings.warn(f"save_checkpoint: the ranks passed different tags ({named}); the checkpoint is saved "
+                      f"under rank 0's tag {tags[0]!r}. Pass the same tag on every rank (checkpoint.tag_validation: "
+                      f"'Ignore' silences this, 'Fail' refuses it).", CheckpointWarning, stacklevel=2)
+    return tags[0]
 
 
 UNWATCHED_WAIT_S = 1800.0
@@ -322,6 +352,7 @@ def save_16bit_model(engine: Any, save_dir: str, save_filename: str = "pytorch_m
     name ends so and the package is installed). Every rank calls it; returns ``True``.
     ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
     """
+    check_folder(save_dir, "save_dir", "save_16bit_model")
     full = engine.hook.microspeed_consolidated_state_dict(engine=engine)
     if full is None:
         full = engine.module.state_dict()
