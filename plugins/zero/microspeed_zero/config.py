@@ -17,6 +17,7 @@ from typing import Any
 
 from microspeed.plugin_api import ConfigError, Field, Section, non_negative, positive
 from microspeed_zero.aio import AioConfig
+from microspeed_zero.leaf import DEFAULT_LEAF_MODULE_CLASSES
 
 _SIZE = (int, float)
 _ANY = (bool, int, float, str, dict, list, type(None))
@@ -146,9 +147,11 @@ def zero_section() -> Section:
                                     "RAM (or of the cgroup's memory limit, if lower) over the node's ranks, else no "
                                     "check; none: no check"),
         "leaf_module": Section({
-            "classes": Field((list,), [], "class names (or qualified names) of leaf modules"),
-            "names": Field((list,), [], "module names (as in named_modules) to make leaves"),
-            "name_suffixes": Field((list,), [], "module-name suffixes to make leaves"),
+            "classes": Field((list, str), list(DEFAULT_LEAF_MODULE_CLASSES), "class names (or qualified names) of "
+                             "leaf modules (default: Hugging Face's Mixtral, Qwen2-MoE and Qwen3-MoE sparse blocks, "
+                             "as DeepSpeed's)"),
+            "names": Field((list, str), [], "module names (as in named_modules) to make leaves"),
+            "name_suffixes": Field((list, str), [], "module-name suffixes to make leaves"),
         }, doc="stage 3: modules gathered whole when they run (see microspeed.zero.set_z3_leaf_modules)"),
         **_notice_fields(""),
     }
@@ -273,10 +276,20 @@ class ZeroConfig:
             max_live_parameters=int(z["stage3_max_live_parameters"]),
             max_reuse_distance=int(z["stage3_max_reuse_distance"]),
             gather_16bit_weights_on_model_save=z["stage3_gather_16bit_weights_on_model_save"],
-            leaf_classes=tuple(z["leaf_module"]["classes"]), leaf_names=tuple(z["leaf_module"]["names"]),
-            leaf_suffixes=tuple(z["leaf_module"]["name_suffixes"]),
+            leaf_classes=_leaf_list(z, "classes"), leaf_names=_leaf_list(z, "names"),
+            leaf_suffixes=_leaf_list(z, "name_suffixes"),
             notices=tuple(_notices(z) + _aio_notice(aio, oo["device"], op["device"])), aio=aio,
         )
+
+
+def _leaf_list(z: dict[str, Any], key: str) -> tuple[str, ...]:
+    """``leaf_module.<key>``: a list of strings (one string stands for a list of it, as DeepSpeed reads it), repeated
+    entries dropped."""
+    value = z["leaf_module"][key]
+    items = [value] if isinstance(value, str) else value
+    if not all(isinstance(v, str) for v in items):
+        raise ConfigError(f"zero_optimization.leaf_module.{key}: expected a list of strings, got {value!r}")
+    return tuple(dict.fromkeys(items))
 
 
 def _fold_deprecated(z: dict[str, Any], config: Any) -> None:

@@ -31,6 +31,15 @@ DEFAULT_LEAF_CLASSES: tuple[type, ...] = (
 ``multi_head_attention_forward``; the fused inference paths of the Transformer layers)."""
 
 
+DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+"""``zero_optimization.leaf_module.classes`` by default (DeepSpeed 0.19.8's): Hugging Face's sparse MoE blocks,
+whose experts run depending on the routing -- as leaves their gradients reduce in one order on every rank."""
+
+
 class ZeroParamStatus(Enum):
     """Where a stage-3 parameter's whole value is (DeepSpeed's ``ZeroParamStatus``)."""
 

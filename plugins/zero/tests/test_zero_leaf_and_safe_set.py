@@ -288,3 +288,33 @@ def test_the_names_reach_deepspeed_utils_through_the_standin_with_deepspeeds_sig
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["file"].startswith(str(standin.source_folder())), got["file"]
     assert got["sigs"] == want
+
+
+def test_leaf_module_config_takes_deepspeeds_defaults_and_a_single_string():
+    """``zero_optimization.leaf_module``: by default DeepSpeed 0.19.8's leaf classes (Hugging Face's sparse MoE blocks,
+    whose experts run data-dependently); ``"classes": "my.Class"`` is a list of one, as DeepSpeed reads it (was: []
+    by default, and a string refused); a list holding a non-string is refused naming the key."""
+    from microspeed_zero.config import ZeroConfig
+
+    from microspeed.compat.deepspeed_config import parse_config
+    from microspeed.errors import ConfigError
+
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None or standin.is_standin_file(spec.origin):
+        pytest.skip("real DeepSpeed is not installed")
+    tree = ast.parse((Path(spec.origin).parent / "runtime" / "zero" / "leaf_module_config.py").read_text())
+    real = {t.target.id: ast.literal_eval(t.value) for t in tree.body
+            if isinstance(t, ast.AnnAssign) and t.target.id.startswith("DEFAULT_LEAF_MODULE")}
+
+    def zero(leaf: dict | None = None) -> ZeroConfig:
+        z = {"stage": 3, **({"leaf_module": leaf} if leaf is not None else {})}
+        return ZeroConfig.from_config(parse_config({"train_batch_size": 1, "zero_optimization": z}))
+
+    default = zero()
+    assert list(default.leaf_classes) == real["DEFAULT_LEAF_MODULE_CLASSES"]
+    assert list(default.leaf_names) == real["DEFAULT_LEAF_MODULE_NAMES"]
+    assert list(default.leaf_suffixes) == real["DEFAULT_LEAF_MODULE_NAME_SUFFIXES"]
+    given = zero({"classes": "my.Class", "names": "submodule", "name_suffixes": ["tail", "tail"]})
+    assert (given.leaf_classes, given.leaf_names, given.leaf_suffixes) == (("my.Class",), ("submodule",), ("tail",))
+    with pytest.raises(ConfigError, match=r"zero_optimization\.leaf_module\.classes"):
+        zero({"classes": ["ok", 3]})

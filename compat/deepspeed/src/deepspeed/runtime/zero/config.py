@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, pp_int
+from deepspeed.runtime.zero.leaf_module_config import DeepSpeedZeroLeafModuleConfig
 from deepspeed.runtime.zero.offload_config import (
     DeepSpeedZeroOffloadOptimizerConfig,
     DeepSpeedZeroOffloadParamConfig,
@@ -48,14 +49,6 @@ class ZeroStageEnum(int, Enum):
     gradients = 2
     weights = 3
     max_stage = 3
-
-
-class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
-    """``zero_optimization.leaf_module``: modules stage 3 gathers whole when they run."""
-
-    classes: list[str] = Field(default_factory=list)
-    names: list[str] = Field(default_factory=list)
-    name_suffixes: list[str] = Field(default_factory=list)
 
 
 def _plain(value: Any) -> Any:
