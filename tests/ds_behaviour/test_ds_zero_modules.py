@@ -38,13 +38,14 @@ import importlib
 errors, reasons, probes = {}, {}, {}
 for module, name in [("stage3", "estimate_zero3_model_states_mem_needs_all_live"), ("stage_1_and_2", "IPGBucket"),
                      ("parameter_offload", "ZeROOrderedDict"), ("partition_parameters", "zero3_linear_wrap"),
-                     ("stage3", "NoSuchName")]:
+                     ("stage3", "NoSuchName"), ("", "TiledLinear")]:
+    path = f"deepspeed.runtime.zero.{module}".rstrip(".")
     try:
-        exec(f"from deepspeed.runtime.zero.{module} import {name}")
+        exec(f"from {path} import {name}")
         errors[name] = None
     except ImportError as e:
         errors[name] = str(e)
-    mod = importlib.import_module(f"deepspeed.runtime.zero.{module}")
+    mod = importlib.import_module(path)
     probes[name] = hasattr(mod, name)
     try:
         getattr(mod, name)
@@ -69,6 +70,7 @@ def test_zero_module_paths_give_microspeeds_objects_and_absent_names_fail_plainl
         assert out["probes"][name] is False  # hasattr answers (libraries probe versions with it)
     assert "estimate_memory" in out["reasons"]["estimate_zero3_model_states_mem_needs_all_live"]  # what to use
     assert "ZeROOrderedDict" in out["reasons"]["ZeROOrderedDict"] and "NoSuchName" in out["reasons"]["NoSuchName"]
+    assert "not offered" in out["reasons"]["TiledLinear"]
 
 
 class _TinyLM(torch.nn.Module):

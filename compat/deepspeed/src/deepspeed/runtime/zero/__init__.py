@@ -35,13 +35,27 @@ def absent_name(module: str, name: str, reasons: dict[str, str]) -> Any:
     return zero_name(module, name)
 
 
+ABSENT: dict[str, str] = {
+    "ZeroParamType": "microspeed marks a ZeRO-3 parameter's state (ds_status, ZeroParamStatus), not a parameter type",
+    "DeepSpeedZeRoOffload": "DeepSpeed's ZeRO-3 hook manager; microspeed's is internal to its ZeRO plugin (the "
+                            "stage-3 optimizer's forward_hooks lists its hooks)",
+    "DeepSpeedTensorOverride": "DeepSpeed's zero.Init tensor-constructor override; microspeed's Init casts "
+                               "parameters instead",
+    "TiledLinear": "DeepSpeed's tiled linear layer for ZeRO-3 is not offered (ZeRO-3 gathers per module; split a "
+                   "huge layer into modules yourself)",
+    "TiledLinearReturnBias": "DeepSpeed's tiled linear layer for ZeRO-3 is not offered",
+    "MiCS_Init": "MiCS (sharding within sub-groups) is not offered",
+}
+"""DeepSpeed names of ``deepspeed.runtime.zero`` microspeed does not provide, with the reason."""
+
+
 def __getattr__(name: str) -> Any:
     from deepspeed import _aliases
 
     found = _aliases.submodule(__name__, name)
     if found is not None:
         return found
-    return zero_name("deepspeed.zero", name)
+    return absent_name("deepspeed.zero", name, ABSENT)
 
 
 def __dir__() -> list[str]:
