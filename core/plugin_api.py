@@ -24,6 +24,8 @@ What is here, by concern:
 * **checkpoints**: :class:`Placement`, :func:`flat_shard`, :class:`OnDemandPiece` (a piece ``flat_shard`` takes
   whose values are read only when the checkpoint is written), :class:`TensorRef`, :func:`split_tensor_refs`,
   :class:`CheckpointError`, :class:`CheckpointWarning`;
+* **optimizers**: :data:`ZERO_ELEMENTWISE` (DeepSpeed's optimizers a partitioner may step on slices) and
+  :data:`ZERO_OFFLOAD_CLIENT` (the CPU optimizers ZeRO-Offload takes from a client as DeepSpeed does);
 * **kernels**: :func:`kernel_backend` / :func:`env_choice` (Triton or the PyTorch reference);
 * **logging**: :func:`get_logger`.
 """
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
     from microspeed.checkpoint import CheckpointError, CheckpointWarning, OnDemandPiece, Placement, flat_shard
     from microspeed.checkpoint.manifest import TensorRef
     from microspeed.checkpoint.manifest import split as split_tensor_refs
+    from microspeed.ops.cpu_optimizers import ZERO_ELEMENTWISE, ZERO_OFFLOAD_CLIENT
 
 #: Checkpoint names, imported on first use: ``torch.distributed.checkpoint`` (DTensor, sympy) costs seconds
 #: to import, and most plugins need it only when a checkpoint is written.
@@ -79,6 +82,8 @@ _LAZY = {
     "flat_shard": ("microspeed.checkpoint", "flat_shard"),
     "TensorRef": ("microspeed.checkpoint.manifest", "TensorRef"),
     "split_tensor_refs": ("microspeed.checkpoint.manifest", "split"),
+    "ZERO_ELEMENTWISE": ("microspeed.ops.cpu_optimizers", "ZERO_ELEMENTWISE"),
+    "ZERO_OFFLOAD_CLIENT": ("microspeed.ops.cpu_optimizers", "ZERO_OFFLOAD_CLIENT"),
 }
 
 
@@ -92,6 +97,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ZERO_ELEMENTWISE",
+    "ZERO_OFFLOAD_CLIENT",
     "Capabilities",
     "Capability",
     "CheckpointError",

@@ -19,7 +19,8 @@ import torch
 
 from microspeed.ops.fused_adam import FusedAdam
 
-__all__ = ["DeepSpeedCPUAdagrad", "DeepSpeedCPUAdam", "DeepSpeedCPULion", "FusedLion", "Lion"]
+__all__ = ["ZERO_ELEMENTWISE", "ZERO_OFFLOAD_CLIENT", "DeepSpeedCPUAdagrad", "DeepSpeedCPUAdam", "DeepSpeedCPULion",
+           "FusedLion", "Lion"]
 
 
 def _check_fp32_states(optimizer: torch.optim.Optimizer, name: str) -> None:
@@ -122,3 +123,11 @@ class DeepSpeedCPULion(Lion):
 
 class FusedLion(Lion):
     """Lion with ``deepspeed.ops.lion.FusedLion``'s arguments (multi-tensor PyTorch ops)."""
+
+
+ZERO_ELEMENTWISE: tuple[type, ...] = (FusedAdam, DeepSpeedCPUAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion, FusedLion)
+"""The optimizers here (DeepSpeed's names) whose update of an element depends only on that element: ZeRO steps them
+on slices of flat partitions without ``zero_allow_untested_optimizer``, as DeepSpeed's ZeRO accepts them."""
+
+ZERO_OFFLOAD_CLIENT: tuple[type, ...] = (DeepSpeedCPUAdam, DeepSpeedCPULion)
+"""The CPU optimizers DeepSpeed's ZeRO-Offload takes from a client while ``zero_force_ds_cpu_optimizer`` is true."""

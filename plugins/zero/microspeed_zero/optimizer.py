@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from microspeed.plugin_api import ConfigError
+from microspeed.plugin_api import ZERO_ELEMENTWISE, ConfigError
 
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.RMSprop,
@@ -40,7 +40,7 @@ the same result on any partition of a flat tensor, so ZeRO can run them on slice
 
 def check_partitionable(optimizer: Any, allow_untested: bool) -> None:
     """Refuse an optimizer whose update mixes elements (LAMB's trust ratio, Adafactor's factoring)."""
-    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or allow_untested:
+    if isinstance(optimizer, (*ELEMENTWISE_OPTIMIZERS, *ZERO_ELEMENTWISE)) or allow_untested:
         return
     raise ConfigError(
         f"zero_optimization.stage >= 1 with the optimizer {type(optimizer).__name__}: ZeRO runs the optimizer on "

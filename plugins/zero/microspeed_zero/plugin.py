@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from microspeed.plugin_api import (
+    ZERO_OFFLOAD_CLIENT,
     ConfigError,
     EngineUsageError,
     Feature,
@@ -36,6 +37,23 @@ from microspeed_zero.config import ZeroConfig, zero_section
 from microspeed_zero.optimizer import check_partitionable
 from microspeed_zero.runtime import ZeroRuntime
 from microspeed_zero.shm import drain_all
+
+
+def _check_offload_optimizer(optimizer: Any, compressed: bool) -> None:
+    """CPU offload while ``zero_force_ds_cpu_optimizer`` is true: refuse a 1-bit optimizer (its declared refusal)
+    and, as DeepSpeed does, a client optimizer other than Adam/AdamW and DeepSpeed's CPU optimizers."""
+    name = type(optimizer).__name__
+    if compressed:
+        raise ConfigError(f"zero_optimization.offload_optimizer with the optimizer {name}: "
+                          f"{CPU_STEP_IS_ADAM[0].message()}.")
+    accepted = (torch.optim.Adam, torch.optim.AdamW, *ZERO_OFFLOAD_CLIENT)
+    if not isinstance(optimizer, accepted):
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer with the optimizer {name}: ZeRO-Offload steps it on the CPU, "
+            f"which DeepSpeed refuses while \"zero_force_ds_cpu_optimizer\" is true (the default) for any optimizer "
+            f"but {', '.join(c.__name__ for c in accepted)}. Use one of those (an \"optimizer\" of type Adam/AdamW "
+            f"in the ds_config, or deepspeed.ops.adam.DeepSpeedCPUAdam), or set \"zero_force_ds_cpu_optimizer\": "
+            f"false to step {name} on the CPU as it is.")
 
 
 class ZeroPlugin:
@@ -111,12 +129,10 @@ class ZeroPlugin:
         if not self._active():
             return None
         codec = engine.capabilities.get(GradientCompression)  # its provider makes the optimizer step partitions
-        check_partitionable(optimizer, self.config["zero_allow_untested_optimizer"] or bool(codec and codec.accepts(
-            optimizer)))
-        if (self.cfg.offload_optimizer == "cpu" and self.config["zero_force_ds_cpu_optimizer"]
-                and not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))):  # NVMe: the swapper refuses
-            raise ConfigError(f"zero_optimization.offload_optimizer with the optimizer {type(optimizer).__name__}: "
-                              f"{CPU_STEP_IS_ADAM[0].message()} (or use Adam/AdamW).")
+        compressed = bool(codec and codec.accepts(optimizer))
+        check_partitionable(optimizer, self.config["zero_allow_untested_optimizer"] or compressed)
+        if self.cfg.offload_optimizer == "cpu" and self.config["zero_force_ds_cpu_optimizer"]:  # NVMe: the swapper's
+            _check_offload_optimizer(optimizer, compressed)
         if self.cfg.host_memory_budget is not None:
             self.prediction = _check_host_memory(engine, self.rt, optimizer, self.cfg.host_memory_budget)
         wrapped = self.rt.wrap(optimizer)

@@ -58,6 +58,12 @@ _METADATA = frozenset({
 _LAZY_MASTER = torch.zeros(1)  # what an NVMe optimizer's masters view until its swapper writes them from the shards
 
 
+class UnusedParametersError(RuntimeError, AssertionError):
+    """``zero_optimization.ignore_unused_parameters`` is false and trainable parameters got no gradient in an
+    accumulation window; raised by that window's ``step()``. Also an :class:`AssertionError`, the type DeepSpeed
+    raises there (its ZeRO step asserts it), so handlers written for DeepSpeed catch it."""
+
+
 class ZeroRuntime:
     """ZeRO stages 1–3 for one engine (see the module docstring)."""
 
@@ -93,6 +99,7 @@ class ZeroRuntime:
         self.optimized: list[Segment] = []
         self.precision: LossScaling | None = engine.capabilities.get(LossScaling)
         self.used: set[int] = set()  # ignore_unused_parameters false: parameters with a gradient in this window
+        self.unused: list[str] = []  # ... and the names of those that got none (raised at the window's step)
         self.ties: list[tuple[GradientSum, Segment]] = []  # segments of marked (tied) parameters, in key order
         self._norm_runs: dict[int, list[tuple[int, int, NormRule | None]]] | None = None
         self.chunk_of: dict[int, frozenset[int]] = {}  # id(param) -> the schedule's chunks using it (pass_parameters)
@@ -401,13 +408,9 @@ class ZeroRuntime:
             self.reducer.flush()
         elif not self.cfg.ignore_unused_parameters:
             # over the whole accumulation window: a pipeline's chunk uses only its own layers in each backward
-            unused = [seg.names[i] for seg in self.segments for i, p in enumerate(seg.params)
-                      if p.requires_grad and id(p) not in self.used]
+            self.unused = [seg.names[i] for seg in self.segments for i, p in enumerate(seg.params)
+                           if p.requires_grad and id(p) not in self.used]
             self.used.clear()
-            if unused:
-                raise RuntimeError(f"zero_optimization.ignore_unused_parameters is false and these parameters got "
-                                   f"no gradient in this accumulation window: {unused[:10]}. Use them in forward, "
-                                   f"freeze them (requires_grad=False), or set ignore_unused_parameters true.")
         files = self.gradients
         for mark, seg in self.ties:
             if len(mark.ranks) < 2:
@@ -423,6 +426,12 @@ class ZeroRuntime:
 
     def step(self) -> StepOutcome:
         """Overflow check, norm, clip, inner step, write-back and gathers; see the module docstring."""
+        unused, self.unused = self.unused, []
+        if unused:  # at the step, as DeepSpeed asserts it (in the step's norm): nothing of this window is applied
+            raise UnusedParametersError(
+                f"zero_optimization.ignore_unused_parameters is false and these parameters got no gradient in this "
+                f"accumulation window: {unused[:10]}. Use them in forward, freeze them (requires_grad=False), or set "
+                f"ignore_unused_parameters true.")
         engine, opt = self.engine, self.optimizer
         segs = self.optimized
         files = self.gradients  # stages 2, 3 with the optimizer on NVMe: the gradients are in its files
