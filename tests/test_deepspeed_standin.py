@@ -421,8 +421,8 @@ def test_get_accelerator_cpu_answers():
     assert acc.device_name() == acc.current_device_name() == "cpu" and acc.device_name(3) == "cpu"
     assert acc.device() == torch.device("cpu") and acc.current_device() == 0 and acc.device_count() == 1
     assert acc.is_available() and acc.communication_backend_name() == "gloo"
-    assert acc.is_bf16_supported() and not acc.is_fp16_supported()
-    assert acc.supported_dtypes() == [torch.float, torch.bfloat16]
+    assert acc.is_bf16_supported() and acc.is_fp16_supported()  # microspeed trains fp16 on the CPU
+    assert acc.supported_dtypes() == [torch.float, torch.bfloat16, torch.half]
     assert acc.on_accelerator(torch.zeros(1)) and not acc.on_accelerator(torch.zeros(1, device="meta"))
     t = torch.ones(3)
     assert acc.pin_memory(t) is t and not acc.is_pinned(t)

@@ -342,20 +342,25 @@ class Accelerator:
         return torch.cuda.is_bf16_supported() if self._cuda else True
 
     def is_fp16_supported(self) -> bool:
-        """Whether fp16 training is supported (DeepSpeed's CPU accelerator says no)."""
-        return self._cuda
+        """Whether fp16 training is supported: yes, on CUDA and on the CPU alike.
+
+        microspeed trains with ``fp16`` on the CPU (master weights, dynamic loss scaling; fp16 arithmetic runs
+        on any CPU torch supports), so DeepSpeed's tests and scripts that pick fp16 when the accelerator
+        offers it run here (DeepSpeed's own CPU accelerator answers yes where oneDNN has fp16 kernels).
+        """
+        return True
 
     def is_fp64_supported(self) -> bool:
         """Whether fp64 works."""
         return True
 
     def supported_dtypes(self) -> list[torch.dtype]:
-        """Training dtypes supported here."""
+        """Training dtypes supported here, in DeepSpeed's CPU accelerator's order (fp32, bf16, fp16)."""
         dtypes = [torch.float]
-        if self.is_fp16_supported():
-            dtypes.append(torch.half)
         if self.is_bf16_supported():
             dtypes.append(torch.bfloat16)
+        if self.is_fp16_supported():
+            dtypes.append(torch.half)
         return dtypes
 
     # ---------------------------------------------------------------- misc

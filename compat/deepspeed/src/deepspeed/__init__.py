@@ -45,8 +45,14 @@ microspeed_version = _microspeed.__version__
 
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
+DeepSpeedConfigError = ConfigError
+"""DeepSpeed's config error (``deepspeed.runtime.config.DeepSpeedConfigError``): microspeed's
+:class:`~microspeed.ConfigError` itself, so ``except deepspeed.DeepSpeedConfigError`` catches every config error
+microspeed raises."""
+
 __all__ = [
     "ConfigError",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "Engine",
     "MissingPluginError",

@@ -52,8 +52,10 @@ DEEPSPEED_OPTIMIZERS: list[str] = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTI
                                    ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER]
 
 
-class DeepSpeedConfigError(Exception):
-    """DeepSpeed's error class for config problems (microspeed raises :class:`microspeed.ConfigError`)."""
+DeepSpeedConfigError = ConfigError
+"""DeepSpeed's error class for config problems: microspeed's :class:`~microspeed.ConfigError` itself, so
+``except deepspeed.DeepSpeedConfigError`` catches every config error microspeed raises (and, since it is a
+``ValueError``, ``except ValueError`` still does too)."""
 
 
 class BatchSizeError(ConfigError, AssertionError):
