@@ -131,6 +131,31 @@ def test_fp16_is_supported_on_the_cpu_as_microspeed_trains_it():
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
 
 
+def _cpu_adam_losses(stage: int) -> list[float]:
+    from microspeed.ops.cpu_optimizers import DeepSpeedCPUAdam
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-1, weight_decay=0.5, adamw_mode=False)
+    engine, *_ = microspeed.initialize(model=model, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}})
+    x, y = torch.randn(2, 4), torch.randn(2, 1)
+    losses = []
+    for _ in range(3):
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_client_deepspeed_cpu_adam_keeps_its_settings_under_zero():
+    """DeepSpeed's ZeRO takes a client ``DeepSpeedCPUAdam`` without ``zero_allow_untested_optimizer`` (was: refused as
+    not element-wise), and ZeRO's partition optimizer keeps ``adamw_mode=False`` (L2 decay; was: rebuilt with the
+    constructor's default, decoupled decay, so the losses left stage 0's from the second step)."""
+    assert _cpu_adam_losses(1) == _cpu_adam_losses(0)
+
+
 _LIGHTNING_OFFLOAD = r"""
 import copy, json, torch, deepspeed
 from deepspeed.ops.adam import DeepSpeedCPUAdam

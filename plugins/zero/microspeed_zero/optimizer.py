@@ -62,6 +62,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, base: torch.optim.Optimizer, runtime: Any) -> None:
         self.base_class = type(base)
+        # settings kept as attributes rather than hyperparameters (FusedAdam's adam_w_mode): the inner optimizer
+        # gets them too, else it would step with its constructor's defaults
+        self.base_settings = {name: value for name, value in vars(base).items()
+                              if not name.startswith("_") and isinstance(value, (bool, int, float, str))}
         self.runtime = runtime
         self.defaults = dict(base.defaults)
         self.param_groups = base.param_groups  # the user's groups: schedulers adjust these
@@ -113,6 +117,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         accepted = inspect.signature(self.base_class.__init__).parameters
         kwargs = {k: v for k, v in self.defaults.items() if k in accepted}
         self.inner = self.base_class(groups, **kwargs)
+        for name, value in self.base_settings.items():
+            setattr(self.inner, name, value)
 
     def sync_hyperparameters(self) -> None:
         """Copy the user's group settings (lr, betas, ...) into the inner optimizer's groups."""
