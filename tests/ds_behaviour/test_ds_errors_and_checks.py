@@ -107,6 +107,17 @@ def test_ignore_unused_parameters_false_asserts_at_the_step_naming_key_and_param
     assert engine.global_steps == 1
 
 
+def _mse_losses(engine, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+    """Train ``steps`` steps on one batch (the loss in fp32); the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(engine(x).float(), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_fp16_is_supported_on_the_cpu_as_microspeed_trains_it():
     """DeepSpeed's tests choose fp16 when ``is_fp16_supported()`` (and skip fp16 cases unless ``torch.half`` is in
     ``supported_dtypes()``); microspeed trains fp16 on the CPU, so its accelerator says yes (was: no, and those
@@ -119,14 +130,7 @@ def test_fp16_is_supported_on_the_cpu_as_microspeed_trains_it():
     engine, *_ = microspeed.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
         "fp16": {"enabled": True, "initial_scale_power": 8}})
-    x, y = torch.randn(8, 8), torch.randn(8, 1)
-    losses = []
-    for _ in range(6):
-        out = engine(x.half())
-        loss = torch.nn.functional.mse_loss(out.float(), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = _mse_losses(engine, torch.randn(8, 8).half(), torch.randn(8, 1), steps=6)
     assert next(engine.module.parameters()).dtype == torch.half
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
 
@@ -139,14 +143,7 @@ def _cpu_adam_losses(stage: int) -> list[float]:
     optimizer = DeepSpeedCPUAdam(model.parameters(), lr=1e-1, weight_decay=0.5, adamw_mode=False)
     engine, *_ = microspeed.initialize(model=model, optimizer=optimizer, config={
         "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}})
-    x, y = torch.randn(2, 4), torch.randn(2, 1)
-    losses = []
-    for _ in range(3):
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return _mse_losses(engine, torch.randn(2, 4), torch.randn(2, 1), steps=3)
 
 
 def test_client_deepspeed_cpu_adam_keeps_its_settings_under_zero():
