@@ -47,13 +47,18 @@ def _gather(rt: Any, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
-    """The parameter's fp32 master value (whole), or its value in fp32 when it is not partitioned."""
+    """The parameter's fp32 master value (whole), or its value in fp32 when it is not partitioned.
+
+    ``None`` for a frozen parameter (``requires_grad`` false: it has no master), as in DeepSpeed.
+    """
+    if not param.requires_grad:
+        return None
     rt = _runtime(param)
     if rt is None:
         return param.detach().float().clone()
     index = param._zero[1]
     local = rt.master_slice(index)
-    if local is None:  # a segment the optimizer does not step (frozen): its parameters are the truth
+    if local is None:  # a segment the optimizer does not step (in no param group): its parameters are the truth
         local = rt.local_params(rt.segments[index])
     return _gather(rt, param, local.float())
 
@@ -64,11 +69,11 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     ``None`` when the parameter has no gradient (frozen). With fp16 it is still multiplied by the
     loss scale, as DeepSpeed returns it.
     """
+    if not param.requires_grad:
+        return None
     rt = _runtime(param)
     if rt is None:
         return None if param.grad is None else param.grad.detach().clone()
-    if not param.requires_grad:
-        return None
     local = rt.grad_slice(param._zero[1])
     if local is None:
         return None
@@ -78,9 +83,11 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """The optimizer state ``optim_state_key`` (``"exp_avg"``, ``"exp_avg_sq"``, ...) of ``param``, whole.
 
-    ``None`` when the optimizer does not step the parameter (frozen or in no param group). Zeros
+    ``None`` when the optimizer does not step the parameter (frozen at any stage, or in no param group). Zeros
     before the first step (the state does not exist yet).
     """
+    if not param.requires_grad:
+        return None
     rt = _runtime(param)
     if rt is None:
         raise ValueError("safe_get_full_optimizer_state: this parameter is not managed by a ZeRO engine "
@@ -140,11 +147,13 @@ def _write_master(rt: Any, seg: Any, i: int, a: int, b: int, s: int, values: tor
             master[s:s + b - a].copy_(values)
 
 
-def _state_runs(rt: Any, seg: Any, name: str, func: str, param: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
-    """``(start, end, state tensor)`` of the optimizer state ``name`` over the runs of ``seg`` on this rank."""
+def _state_runs(rt: Any, seg: Any, name: str, func: str, param: torch.Tensor,
+                missing_ok: bool = False) -> list[tuple[int, int, torch.Tensor]]:
+    """``(start, end, state tensor)`` of the optimizer state ``name`` over the runs of ``seg`` on this rank (with
+    ``missing_ok``, runs without any state yet -- before the first step -- are left out)."""
     out = []
     for (rseg, _g, start, end, view), st in zip(rt.optimizer.runs, rt.optimizer.run_states(), strict=True):
-        if rseg is not seg:
+        if rseg is not seg or (missing_ok and not st):
             continue
         t = st.get(name)
         if not isinstance(t, torch.Tensor) or t.numel() != view.numel():
@@ -313,8 +322,8 @@ def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) ->
     if seg.groups[i] is None:
         return None
     with _resident(rt, writeback=False):
-        out = torch.zeros(b - a)
-        for start, end, t in _state_runs(rt, seg, optim_state_key, func, param):
+        out = torch.zeros(b - a)  # zeros before the first step, as safe_get_full_optimizer_state
+        for start, end, t in _state_runs(rt, seg, optim_state_key, func, param, missing_ok=True):
             x, y = max(start, s), min(end, s + b - a)
             if x < y:
                 out = out.to(t.dtype)

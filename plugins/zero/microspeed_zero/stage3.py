@@ -265,6 +265,18 @@ class ParameterPartitioner:
                 self._drop(seg)
                 if self.store is not None:
                     self._spill(seg)
+            self._tag_local(seg)
+
+    def _tag_local(self, seg: Segment) -> None:
+        """DeepSpeed's ``p.ds_tensor``: this rank's elements of each parameter of ``seg``, a view of its shard in
+        memory (empty where it owns none; absent for a shard that lives in a file)."""
+        shard = self.shards[seg.index]
+        if shard is None:
+            return
+        for p in seg.params:
+            p.ds_tensor = shard[:0]
+        for i, a, s in seg.pieces(seg.rank):
+            seg.params[i].ds_tensor = shard[s:s + seg.param_range(i, seg.rank)[1] - a]
 
     def _spill(self, seg: Segment) -> None:
         """offload_param nvme: keep shards in memory while they fit ``max_in_cpu`` elements (in partitioning

@@ -194,7 +194,8 @@ def _safe_set_part(stage: int) -> dict:
     p = params["0.weight"]
     if stage == 3:
         before = safe_get_full_fp32_param(p)
-        safe_set_local_fp32_param(p, safe_get_local_fp32_param(p) + 1)
+        assert all(q.ds_tensor.shape == safe_get_local_fp32_param(q).shape for q in params.values())  # DeepSpeed's
+        safe_set_local_fp32_param(p, safe_get_local_fp32_param(p) + 1)  # tests size local values by ds_tensor
         local = safe_get_full_fp32_param(p) - before
     else:
         try:
