@@ -153,6 +153,30 @@ def test_client_deepspeed_cpu_adam_keeps_its_settings_under_zero():
     assert _cpu_adam_losses(1) == _cpu_adam_losses(0)
 
 
+class _SimpleOptimizer(torch.optim.Optimizer):
+    """DeepSpeed's test ``SimpleOptimizer``: plain SGD written by hand (so ZeRO does not know it)."""
+
+    def __init__(self, params, lr: float = 0.11072018) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def test_untested_optimizer_under_zero_is_an_assertion_error():
+    """DeepSpeed's ``TestZeroAllowUntestedOptimizer``: ``zero_allow_untested_optimizer: false`` with an optimizer ZeRO
+    does not know is ``pytest.raises(AssertionError)`` at ``initialize()`` (was: a ConfigError only, a ValueError);
+    the message still names the key."""
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(AssertionError, match="zero_allow_untested_optimizer") as info:
+        microspeed.initialize(model=model, optimizer=_SimpleOptimizer(model.parameters()), config={
+            "train_batch_size": 4, "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": False})
+    assert isinstance(info.value, microspeed.ConfigError)
+
+
 _LIGHTNING_OFFLOAD = r"""
 import copy, json, torch, deepspeed
 from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -38,11 +38,17 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
 the same result on any partition of a flat tensor, so ZeRO can run them on slices."""
 
 
+class UntestedOptimizerError(ConfigError, AssertionError):
+    """ZeRO was given an optimizer not known to be element-wise while ``zero_allow_untested_optimizer`` is false.
+
+    Also an :class:`AssertionError`, the type DeepSpeed raises there (its ``initialize()`` asserts it)."""
+
+
 def check_partitionable(optimizer: Any, allow_untested: bool) -> None:
     """Refuse an optimizer whose update mixes elements (LAMB's trust ratio, Adafactor's factoring)."""
     if isinstance(optimizer, (*ELEMENTWISE_OPTIMIZERS, *ZERO_ELEMENTWISE)) or allow_untested:
         return
-    raise ConfigError(
+    raise UntestedOptimizerError(
         f"zero_optimization.stage >= 1 with the optimizer {type(optimizer).__name__}: ZeRO runs the optimizer on "
         f"slices of flattened parameters, which is exact only for element-wise optimizers "
         f"({', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}). Use one of those, stage 0, or set "
