@@ -75,8 +75,8 @@ class ZeroPlugin:
             "aio": aio_section(),
             "zero_allow_untested_optimizer": Field((bool,), False, "allow a ZeRO optimizer not known to be "
                                                    "element-wise (you vouch that it is)"),
-            "zero_force_ds_cpu_optimizer": Field((bool,), True, "with offload_optimizer, refuse a client optimizer "
-                                                 "other than Adam/AdamW (which run as the fast CPU Adam)"),
+            "zero_force_ds_cpu_optimizer": Field((bool,), True, "with offload_optimizer, refuse a 1-bit optimizer "
+                                                 "and, as DeepSpeed, any but Adam/AdamW, DeepSpeedCPUAdam/Lion"),
         }
 
     @hookimpl
