@@ -208,6 +208,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The inner optimizer's state of each run (in :attr:`runs` order)."""
         return [self.inner.state.get(view, {}) for *_, view in self.runs]
 
+    @property
+    def loss_scaler(self) -> Any:
+        """The fp16 loss scaler (DeepSpeed's ``optimizer.loss_scaler``, with its ``cur_scale``, ``cur_iter`` and
+        ``scale_window``); ``None`` without fp16."""
+        return self.runtime.scaler if self.runtime is not None else None
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the fp16 loss scale is dynamic (DeepSpeed's ``optimizer.dynamic_loss_scale``)."""
+        return bool(getattr(self.loss_scaler, "dynamic", False))
+
+    @property
+    def cur_scale(self) -> float:
+        """The current loss scale (DeepSpeed's ``optimizer.cur_scale``): 1.0 without fp16."""
+        scaler = self.loss_scaler
+        return float(scaler.cur_scale) if scaler is not None else 1.0
+
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.runtime.cfg.stage}, {self.base_class.__name__}, runs={len(self.runs)})"
 

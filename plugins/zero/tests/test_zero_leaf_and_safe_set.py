@@ -207,8 +207,30 @@ def _safe_set_part(stage: int) -> dict:
     return {"edit": edit, "got": got, "losses": losses, "final": final, "local": local}
 
 
+def _fp16_part() -> dict:
+    """fp16 at stage 2: DeepSpeed's optimizer.loss_scaler / dynamic_loss_scale, and an inf gradient set with
+    safe_set_full_grad skips the step and halves the scale (DeepSpeed's test_zero_optim_overflow does this)."""
+    from microspeed.zero import safe_get_full_grad, safe_set_full_grad
+
+    cfg = {**_config(2), "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2,
+                                       "hysteresis": 1}}
+    model = _model(moe=False)
+    engine, optimizer, *_ = microspeed.initialize(model=model, config=cfg)
+    out = {"dynamic": optimizer.dynamic_loss_scale, "scale": [optimizer.loss_scaler.cur_scale]}
+    x, y = _batch(0)
+    engine.backward(nn.functional.mse_loss(engine(_mine(x).half()).float(), _mine(y)))
+    for p in model.parameters():
+        safe_set_full_grad(p, torch.full(p.shape, float("inf"), dtype=p.dtype))
+    out["grad_read_back"] = all(torch.isinf(safe_get_full_grad(p)).all().item() for p in model.parameters())
+    engine.step()
+    out["scale"].append(optimizer.cur_scale)
+    out["skipped"] = engine.skipped_steps
+    engine.destroy()
+    return out
+
+
 def _body() -> dict:
-    return {"leaf": _leaf_part(), **{stage: _safe_set_part(stage) for stage in (1, 2, 3)}}
+    return {"leaf": _leaf_part(), "fp16": _fp16_part(), **{stage: _safe_set_part(stage) for stage in (1, 2, 3)}}
 
 
 @pytest.mark.slow
@@ -225,6 +247,7 @@ def test_leaf_moe_trains_like_plain_torch_and_safe_set_full_is_read_back_and_ste
         assert leaf["fetches_inside"] and not any(leaf["fetches_inside"]), (rank, leaf["fetches_inside"])
         assert all(leaf["leaf_params"]) and not any(plain["leaf_params"]), rank
         assert any(plain["fetches_inside"]), rank  # without the flag the experts gather their own
+        assert res["fp16"] == {"dynamic": True, "scale": [256.0, 128.0], "grad_read_back": True, "skipped": 1}, rank
         for stage in (1, 2, 3):
             r = res[stage]
             for name, (value, m, v) in r["edit"].items():
